@@ -1,0 +1,1 @@
+//! The CPU reference backend (to be implemented).

@@ -1,0 +1,45 @@
+use crate::BufKind;
+
+/// Errors of backend ops. Each names the op and the argument at fault.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A buffer's length or kind does not match the dimensions given to an op.
+    #[error("{op}: {msg}")]
+    Shape {
+        /// The op that rejected its arguments.
+        op: &'static str,
+        /// What was wrong, naming the argument and both sizes.
+        msg: String,
+    },
+    /// A buffer of the wrong kind was passed.
+    #[error("{op}: argument `{arg}` must be a {expected:?} buffer, got {got:?}")]
+    Kind {
+        /// The op that rejected its arguments.
+        op: &'static str,
+        /// The argument's name.
+        arg: &'static str,
+        /// The kind the op needs.
+        expected: BufKind,
+        /// The kind it got.
+        got: BufKind,
+    },
+    /// The device has too little free memory for an allocation.
+    #[error("out of device memory: {what} needs {requested} bytes, {free} bytes free")]
+    OutOfMemory {
+        /// What was being allocated.
+        what: String,
+        /// Bytes asked for.
+        requested: usize,
+        /// Bytes free when asked.
+        free: usize,
+    },
+    /// floe was built without the `cuda` feature.
+    #[error("this floe was built without CUDA support; rebuild with `--features cuda`")]
+    NotCompiledWithCuda,
+    /// The CUDA driver, NVRTC, cuBLAS or a kernel failed.
+    #[error("cuda: {0}")]
+    Cuda(String),
+}
+
+/// Result of a backend op.
+pub type Result<T> = std::result::Result<T, Error>;

@@ -1,0 +1,474 @@
+//! floe's compute backends: the primitive operations the model needs, behind one trait.
+//!
+//! The [`Backend`] trait is the contract between the model (layer 2) and a device. It holds
+//! exactly the ops a decoder-only transformer needs for training and sampling: matrix
+//! products, embedding, RMSNorm, RoPE, causal attention over packed variable-length
+//! segments, SwiGLU, a fused lm-head log-prob/entropy, AdamW and sampling. Each op that
+//! takes part in training has its forward and backward side by side.
+//!
+//! Implementations:
+//! - [`cpu::CpuBackend`]: the reference, generic over its float (`f32` by default, `f64`
+//!   for finite-difference gradient checks); rayon for parallelism, `gemm` for products.
+//! - [`cuda::CudaBackend`] (feature `cuda`): NVRTC-compiled kernels and cuBLAS, bf16
+//!   storage with f32 accumulation. Without the feature the type still exists and its
+//!   constructor returns [`Error::NotCompiledWithCuda`], so callers need no `cfg`.
+//!
+//! # Conventions
+//! - Every matrix is row-major. Activations are token-major: a packed batch of `T` tokens
+//!   with `H` heads of size `D` is `[T, H, D]`.
+//! - Buffers are flat; every op receives the dimensions it needs and checks buffer
+//!   lengths against them, returning [`Error::Shape`] naming the op and argument.
+//! - Ops whose output is a *gradient of a parameter* accumulate (`+=`) into it, so
+//!   micro-batches sum without extra passes. Ops whose output is an activation or the
+//!   gradient of an activation overwrite it.
+//! - A buffer's [`BufKind`] says its role; each backend picks the storage type per role.
+
+#![deny(missing_docs)]
+
+pub mod cpu;
+pub mod cuda;
+mod error;
+
+pub use error::{Error, Result};
+
+/// The role of a buffer; each backend decides how each role is stored.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum BufKind {
+    /// Activations, compute copies of weights, activation gradients, KV cache, logits.
+    /// bf16 on CUDA; the backend's float on CPU.
+    Compute,
+    /// Master weights, parameter gradients, optimizer state and statistics that must stay
+    /// precise (RMSNorm `rstd`, attention `lse`, log-probs, entropies). f32 on CUDA; the
+    /// backend's float on CPU.
+    Full,
+    /// Token ids, positions, cache slots, block tables: `u32`.
+    Index,
+}
+
+/// Dimensions of `C[m, n] (+)= op(A) · op(B)`, row-major, where `op(X)` is `X` or `Xᵀ`.
+///
+/// `A` is stored `[m, k]` (or `[k, m]` when `trans_a`), `B` is `[k, n]` (or `[n, k]`
+/// when `trans_b`). A linear layer `y = x Wᵀ` with `W: [out, in]` is
+/// `m = tokens, n = out, k = in, trans_b = true`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Matmul {
+    /// Rows of `C`.
+    pub m: usize,
+    /// Columns of `C`.
+    pub n: usize,
+    /// The contracted dimension.
+    pub k: usize,
+    /// Read `A` transposed.
+    pub trans_a: bool,
+    /// Read `B` transposed.
+    pub trans_b: bool,
+}
+
+/// One sequence of a packed batch, as the attention ops see it.
+///
+/// Query token `start + j` attends to every token of its prefix,
+/// `[prefix_start, prefix_start + prefix_len)`, then causally to
+/// `[start, start + j]`. A plain packed sequence has `prefix_len == 0`. Prompt sharing
+/// puts a group's prompt in its own segment once and gives each response segment that
+/// prompt as its prefix: responses then attend to the prompt without recomputing it, and
+/// the backward pass sums the gradients of all responses into the prompt's keys/values.
+/// A segment that is itself a shared prompt is an ordinary causal segment.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Segment {
+    /// First token of the segment in the packed batch.
+    pub start: u32,
+    /// Number of tokens in the segment.
+    pub len: u32,
+    /// First token of the prefix this segment attends to (any value when `prefix_len == 0`).
+    pub prefix_start: u32,
+    /// Number of prefix tokens (0 for none).
+    pub prefix_len: u32,
+}
+
+/// Head layout of an attention call.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AttnShape {
+    /// Total tokens in the packed batch (`T`).
+    pub tokens: usize,
+    /// Query heads.
+    pub q_heads: usize,
+    /// Key/value heads; divides `q_heads` (grouped-query attention).
+    pub kv_heads: usize,
+    /// Size of each head (`D`).
+    pub head_dim: usize,
+    /// Logit scale, usually `1 / sqrt(head_dim)`.
+    pub scale: f32,
+}
+
+/// Where each query token of a paged-attention call reads its keys and values.
+///
+/// The KV cache of one layer is `[num_blocks, block_size, kv_heads, head_dim]` for keys and
+/// the same for values; a token of sequence `s` at position `p` lives in slot
+/// `block_tables[s * max_blocks + p / block_size] * block_size + p % block_size`. Query
+/// token `t` belongs to sequence `token_seq[t]`, sits at position `token_pos[t]`, and
+/// attends to that sequence's cached positions `0..=token_pos[t]` (which must already be
+/// written with [`Backend::kv_cache_write`]). This one op serves prefill (many tokens per
+/// sequence), chunked prefill and decoding (one token per sequence); sequences that share
+/// a prompt share its blocks.
+pub struct PagedLayout<'a, B: Backend + ?Sized> {
+    /// `[n_seqs, max_blocks]` Index buffer of physical block ids.
+    pub block_tables: &'a B::Buf,
+    /// Columns of `block_tables`.
+    pub max_blocks: usize,
+    /// Tokens per block.
+    pub block_size: usize,
+    /// `[T]` Index buffer: sequence of each query token.
+    pub token_seq: &'a B::Buf,
+    /// `[T]` Index buffer: position of each query token.
+    pub token_pos: &'a B::Buf,
+    /// The largest `token_pos + 1` in this call (sizes the work, never read past).
+    pub max_context: usize,
+}
+
+/// Shape and options of the fused lm-head log-prob/entropy op.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LmHead {
+    /// Rows (tokens) of `hidden`.
+    pub tokens: usize,
+    /// Hidden size.
+    pub dim: usize,
+    /// Vocabulary size (rows of the lm-head weight).
+    pub vocab: usize,
+    /// Logits are multiplied by this before the softmax (`1 / temperature`).
+    pub logit_scale: f32,
+    /// Rows processed per chunk: at most `chunk_rows × vocab` logits exist at once.
+    pub chunk_rows: usize,
+}
+
+/// Per-row sampling parameters, applied in Hugging Face order: temperature, top-k,
+/// top-p, min-p.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SamplingRow {
+    /// 0 means greedy (argmax).
+    pub temperature: f32,
+    /// Keep the `top_k` most likely tokens; 0 or less disables.
+    pub top_k: i32,
+    /// Keep the smallest set whose probability reaches `top_p`; 1.0 disables.
+    pub top_p: f32,
+    /// Drop tokens whose probability is below `min_p ×` the top probability; 0 disables.
+    pub min_p: f32,
+    /// Seed of this sequence's random stream.
+    pub seed: u64,
+    /// Index of this draw in the sequence's stream (usually the number of tokens sampled
+    /// so far), so a draw depends only on `(seed, offset)` and never on batch composition.
+    pub offset: u64,
+}
+
+/// One sampled token.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Sampled {
+    /// The token id.
+    pub token: u32,
+    /// Log-probability of `token` under `softmax(logits / temperature)` (temperature 1 for
+    /// greedy rows), before top-k/top-p/min-p truncation: the same quantity the trainer's
+    /// [`Backend::lm_head_forward`] computes with `logit_scale = 1 / temperature`.
+    pub logprob: f32,
+}
+
+/// Hyper-parameters of one AdamW step (decoupled weight decay, bias-corrected moments).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AdamW {
+    /// Learning rate.
+    pub lr: f32,
+    /// First-moment decay.
+    pub beta1: f32,
+    /// Second-moment decay.
+    pub beta2: f32,
+    /// Denominator epsilon.
+    pub eps: f32,
+    /// Decoupled weight decay (`p -= lr * weight_decay * p`).
+    pub weight_decay: f32,
+    /// 1-based step count, for bias correction.
+    pub step: u64,
+    /// Multiplies the gradient before use (global-norm clipping, loss scaling).
+    pub grad_scale: f32,
+}
+
+/// The primitive ops of a decoder-only transformer on one device.
+///
+/// Ops are enqueued in order and may run asynchronously; [`Backend::download`] and
+/// [`Backend::synchronize`] wait for everything before them.
+pub trait Backend: Send + Sync + 'static {
+    /// A flat buffer in device memory.
+    type Buf: Send + Sync;
+
+    /// A short description of the device, e.g. `cpu (f32, 2 threads)`.
+    fn name(&self) -> String;
+    /// Bytes `(free, total)` of device memory, where the device can tell.
+    fn memory_info(&self) -> Option<(usize, usize)>;
+    /// Waits until every enqueued op has finished.
+    fn synchronize(&self) -> Result<()>;
+    /// True when Compute and Full buffers share one storage type (the CPU backend): the
+    /// weights then need no separate master copy.
+    fn compute_is_full(&self) -> bool;
+
+    // ---- buffers ---------------------------------------------------------------------
+
+    /// Number of elements in `buf`.
+    fn len(&self, buf: &Self::Buf) -> usize;
+    /// The role `buf` was allocated with.
+    fn kind(&self, buf: &Self::Buf) -> BufKind;
+    /// A zero-filled buffer of `len` elements.
+    fn zeros(&self, len: usize, kind: BufKind) -> Result<Self::Buf>;
+    /// A buffer holding `data`, rounded to the storage type of `kind`.
+    fn upload(&self, data: &[f32], kind: BufKind) -> Result<Self::Buf>;
+    /// Like [`Backend::upload`] from `f64` (exact on a `f64` CPU backend).
+    fn upload_f64(&self, data: &[f64], kind: BufKind) -> Result<Self::Buf> {
+        let data: Vec<f32> = data.iter().map(|&x| x as f32).collect();
+        self.upload(&data, kind)
+    }
+    /// An Index buffer holding `data`.
+    fn upload_index(&self, data: &[u32]) -> Result<Self::Buf>;
+    /// The contents of a Compute or Full buffer as `f32`.
+    fn download(&self, buf: &Self::Buf) -> Result<Vec<f32>>;
+    /// The contents of a Compute or Full buffer as `f64` (exact on a `f64` CPU backend).
+    fn download_f64(&self, buf: &Self::Buf) -> Result<Vec<f64>> {
+        Ok(self.download(buf)?.into_iter().map(f64::from).collect())
+    }
+    /// The contents of an Index buffer.
+    fn download_index(&self, buf: &Self::Buf) -> Result<Vec<u32>>;
+    /// `dst = src`, converting between Compute and Full storage; lengths must match.
+    fn copy(&self, dst: &mut Self::Buf, src: &Self::Buf) -> Result<()>;
+    /// Writes `src` into `dst[offset .. offset + len(src)]` (same kind).
+    fn copy_into(&self, dst: &mut Self::Buf, offset: usize, src: &Self::Buf) -> Result<()>;
+    /// Sets every element to zero.
+    fn fill_zero(&self, buf: &mut Self::Buf) -> Result<()>;
+
+    // ---- elementwise and reductions --------------------------------------------------
+
+    /// `y += x`.
+    fn add_assign(&self, y: &mut Self::Buf, x: &Self::Buf) -> Result<()>;
+    /// `y *= alpha`.
+    fn scale(&self, y: &mut Self::Buf, alpha: f32) -> Result<()>;
+    /// `Σ x²`, accumulated in at least f32 (f64 on the CPU); waits for the result.
+    fn sum_squares(&self, x: &Self::Buf) -> Result<f64>;
+    /// `out[i, :] = x[rows[i], :]` for `i < rows.len()`, rows of `dim` elements.
+    fn gather_rows(&self, out: &mut Self::Buf, x: &Self::Buf, rows: &Self::Buf, dim: usize)
+        -> Result<()>;
+
+    // ---- dense -----------------------------------------------------------------------
+
+    /// `C = op(A)·op(B)`, or `C += op(A)·op(B)` when `accumulate`. `C` may be Full while
+    /// `A` and `B` are Compute (parameter gradients accumulate in f32).
+    fn matmul(
+        &self,
+        c: &mut Self::Buf,
+        a: &Self::Buf,
+        b: &Self::Buf,
+        dims: Matmul,
+        accumulate: bool,
+    ) -> Result<()>;
+    /// `y[r, :] += bias` for each of `rows` rows of `cols`.
+    fn add_bias(&self, y: &mut Self::Buf, bias: &Self::Buf, rows: usize, cols: usize)
+        -> Result<()>;
+    /// `dbias += Σ_r dy[r, :]` (parameter gradient: accumulates).
+    fn add_bias_backward(
+        &self,
+        dbias: &mut Self::Buf,
+        dy: &Self::Buf,
+        rows: usize,
+        cols: usize,
+    ) -> Result<()>;
+
+    // ---- embedding -------------------------------------------------------------------
+
+    /// `out[t, :] = table[ids[t], :]`, rows of `dim`.
+    fn embedding_forward(
+        &self,
+        out: &mut Self::Buf,
+        table: &Self::Buf,
+        ids: &Self::Buf,
+        dim: usize,
+    ) -> Result<()>;
+    /// `dtable[ids[t], :] += dout[t, :]` (parameter gradient: accumulates).
+    fn embedding_backward(
+        &self,
+        dtable: &mut Self::Buf,
+        dout: &Self::Buf,
+        ids: &Self::Buf,
+        dim: usize,
+    ) -> Result<()>;
+
+    // ---- RMSNorm ---------------------------------------------------------------------
+
+    /// `out = x · rstd · w` per row, with `rstd[r] = 1 / sqrt(mean(x[r]²) + eps)` saved
+    /// (Full) for the backward. Serves the per-head q/k norms with `rows = T × heads`.
+    #[allow(clippy::too_many_arguments)]
+    fn rmsnorm_forward(
+        &self,
+        out: &mut Self::Buf,
+        rstd: &mut Self::Buf,
+        x: &Self::Buf,
+        w: &Self::Buf,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+    ) -> Result<()>;
+    /// `dx = ∂L/∂x` (overwrites) and `dw += ∂L/∂w`, from the forward's `x`, `w`, `rstd`.
+    #[allow(clippy::too_many_arguments)]
+    fn rmsnorm_backward(
+        &self,
+        dx: &mut Self::Buf,
+        dw: &mut Self::Buf,
+        dout: &Self::Buf,
+        x: &Self::Buf,
+        w: &Self::Buf,
+        rstd: &Self::Buf,
+        rows: usize,
+        dim: usize,
+    ) -> Result<()>;
+
+    // ---- RoPE ------------------------------------------------------------------------
+
+    /// Rotates `x: [tokens, heads, head_dim]` in place by the angles
+    /// `positions[t] · inv_freq[i]` (`inv_freq`: Full, `head_dim / 2`), in the
+    /// "rotate half" layout of Hugging Face Llama/Qwen: pairs `(i, i + head_dim/2)`.
+    /// `inverse` rotates by the negative angles, which is the backward of the forward.
+    #[allow(clippy::too_many_arguments)]
+    fn rope(
+        &self,
+        x: &mut Self::Buf,
+        positions: &Self::Buf,
+        inv_freq: &Self::Buf,
+        tokens: usize,
+        heads: usize,
+        head_dim: usize,
+        inverse: bool,
+    ) -> Result<()>;
+
+    // ---- attention over packed segments ----------------------------------------------
+
+    /// Causal grouped-query attention over packed `segments` (see [`Segment`]).
+    /// `q: [T, q_heads, D]`, `k, v: [T, kv_heads, D]`, `out: [T, q_heads, D]`;
+    /// `lse: [T, q_heads]` (Full) saves each row's log-sum-exp of scaled logits for the
+    /// backward. Tokens outside every segment are left untouched.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_forward(
+        &self,
+        out: &mut Self::Buf,
+        lse: &mut Self::Buf,
+        q: &Self::Buf,
+        k: &Self::Buf,
+        v: &Self::Buf,
+        segments: &[Segment],
+        shape: AttnShape,
+    ) -> Result<()>;
+    /// Gradients of [`Backend::attention_forward`]: overwrites `dq`, `dk`, `dv`; keys and
+    /// values shared as a prefix receive the sum over every segment that reads them.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_backward(
+        &self,
+        dq: &mut Self::Buf,
+        dk: &mut Self::Buf,
+        dv: &mut Self::Buf,
+        dout: &Self::Buf,
+        out: &Self::Buf,
+        lse: &Self::Buf,
+        q: &Self::Buf,
+        k: &Self::Buf,
+        v: &Self::Buf,
+        segments: &[Segment],
+        shape: AttnShape,
+    ) -> Result<()>;
+
+    // ---- paged KV cache (sampling) ---------------------------------------------------
+
+    /// Writes `k, v: [T, kv_heads, head_dim]` into the caches at `slots[t]`
+    /// (see [`PagedLayout`] for the slot formula).
+    #[allow(clippy::too_many_arguments)]
+    fn kv_cache_write(
+        &self,
+        k_cache: &mut Self::Buf,
+        v_cache: &mut Self::Buf,
+        k: &Self::Buf,
+        v: &Self::Buf,
+        slots: &Self::Buf,
+        kv_heads: usize,
+        head_dim: usize,
+    ) -> Result<()>;
+    /// Attention of `q: [T, q_heads, D]` over cached keys and values; `out` like `q`.
+    fn paged_attention(
+        &self,
+        out: &mut Self::Buf,
+        q: &Self::Buf,
+        k_cache: &Self::Buf,
+        v_cache: &Self::Buf,
+        layout: &PagedLayout<'_, Self>,
+        shape: AttnShape,
+    ) -> Result<()>;
+
+    // ---- SwiGLU ----------------------------------------------------------------------
+
+    /// `out = silu(gate) · up`, elementwise.
+    fn swiglu_forward(&self, out: &mut Self::Buf, gate: &Self::Buf, up: &Self::Buf)
+        -> Result<()>;
+    /// Overwrites `dgate` and `dup` with the gradients of [`Backend::swiglu_forward`].
+    fn swiglu_backward(
+        &self,
+        dgate: &mut Self::Buf,
+        dup: &mut Self::Buf,
+        dout: &Self::Buf,
+        gate: &Self::Buf,
+        up: &Self::Buf,
+    ) -> Result<()>;
+
+    // ---- fused lm-head ---------------------------------------------------------------
+
+    /// For each row `t` of `hidden: [tokens, dim]`, with logits
+    /// `z = logit_scale · hidden[t] · wᵀ` (`w: [vocab, dim]`): writes
+    /// `logprobs[t] = z[targets[t]] − lse(z)`, `entropy[t] = −Σ p log p` and `lse[t]`
+    /// (all Full, `[tokens]`). Works in chunks of `chunk_rows`, so the full
+    /// `[tokens, vocab]` logits never exist.
+    #[allow(clippy::too_many_arguments)]
+    fn lm_head_forward(
+        &self,
+        logprobs: &mut Self::Buf,
+        entropy: &mut Self::Buf,
+        lse: &mut Self::Buf,
+        hidden: &Self::Buf,
+        w: &Self::Buf,
+        targets: &Self::Buf,
+        spec: LmHead,
+    ) -> Result<()>;
+    /// Given `dlogprobs, dentropy: [tokens]` (Full), overwrites `dhidden` and accumulates
+    /// `dw`, recomputing each chunk's logits from `hidden`, `w` and the saved `lse`.
+    #[allow(clippy::too_many_arguments)]
+    fn lm_head_backward(
+        &self,
+        dhidden: &mut Self::Buf,
+        dw: &mut Self::Buf,
+        dlogprobs: &Self::Buf,
+        dentropy: &Self::Buf,
+        hidden: &Self::Buf,
+        w: &Self::Buf,
+        targets: &Self::Buf,
+        lse: &Self::Buf,
+        spec: LmHead,
+    ) -> Result<()>;
+
+    // ---- sampling --------------------------------------------------------------------
+
+    /// Draws one token per row of `logits: [rows.len(), vocab]` with that row's
+    /// parameters; see [`SamplingRow`] and [`Sampled`].
+    fn sample(&self, logits: &Self::Buf, vocab: usize, rows: &[SamplingRow])
+        -> Result<Vec<Sampled>>;
+
+    // ---- optimizer -------------------------------------------------------------------
+
+    /// One AdamW step on Full `param`, `grad`, `m`, `v`; when `compute` is given (a
+    /// separate Compute copy of the weights, as on CUDA), it receives the new values.
+    fn adamw(
+        &self,
+        param: &mut Self::Buf,
+        grad: &Self::Buf,
+        m: &mut Self::Buf,
+        v: &mut Self::Buf,
+        compute: Option<&mut Self::Buf>,
+        hp: AdamW,
+    ) -> Result<()>;
+}

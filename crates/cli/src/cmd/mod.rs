@@ -1,0 +1,6 @@
+//! One module per subcommand: its flags and the glue that calls the library crates.
+
+pub mod bench;
+pub mod data;
+pub mod reward;
+pub mod train;

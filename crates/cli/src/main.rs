@@ -1,0 +1,52 @@
+//! `floe`: reinforcement-learning post-training of language models, in one engine.
+
+mod cmd;
+
+use clap::{Parser, Subcommand};
+
+/// floe: RL post-training (GRPO and relatives) of Qwen-family models, in one Rust engine.
+#[derive(Parser)]
+#[command(name = "floe", version, about, long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the RL pipeline (SFT warm start, GRPO, eval, report); with no recipe, the
+    /// embedded default on a tiny model and a synthetic SQL task.
+    Train(cmd::train::Args),
+    /// Score a reward function over a JSONL file of cases.
+    #[command(subcommand)]
+    Reward(cmd::reward::Command),
+    /// Build datasets: BIRD conversion and synthetic tasks.
+    #[command(subcommand)]
+    Data(cmd::data::Command),
+    /// Measure training and generation throughput.
+    Bench(cmd::bench::Args),
+}
+
+fn main() -> std::process::ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Train(args) => cmd::train::run(args),
+        Command::Reward(command) => cmd::reward::run(command),
+        Command::Data(command) => cmd::data::run(command),
+        Command::Bench(args) => cmd::bench::run(args),
+    };
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("error: {err:#}");
+            std::process::ExitCode::from(2)
+        }
+    }
+}

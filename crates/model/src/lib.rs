@@ -1,0 +1,9 @@
+//! The Qwen3 model family (Qwen2 and Llama by configuration): weights in and out of
+//! Hugging Face safetensors, forward and hand-written backward layer by layer, KV-cached
+//! decoding, tokenizer and chat template.
+
+#![deny(missing_docs)]
+
+pub mod config;
+
+pub use config::{Architecture, ModelConfig};
