@@ -28,6 +28,7 @@
 pub mod cpu;
 pub mod cuda;
 mod error;
+pub mod sampling;
 
 pub use error::{Error, Result};
 

@@ -4,6 +4,12 @@
 
 #![deny(missing_docs)]
 
+pub mod batch;
+pub mod chat_template;
 pub mod config;
+pub mod decode;
+pub mod tokenizer;
+pub mod transformer;
+pub mod weights;
 
 pub use config::{Architecture, ModelConfig};

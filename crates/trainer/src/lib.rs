@@ -1,1 +1,3 @@
-//! placeholder
+//! The RL training loop: recipes and overrides, the loop itself, metrics and the report.
+
+#![deny(missing_docs)]

@@ -1,0 +1,1 @@
+//! Sampling one token from a row of logits (in progress).
