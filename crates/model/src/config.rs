@@ -1,6 +1,17 @@
-//! Model hyper-parameters, read from Hugging Face `config.json`.
+//! Model hyper-parameters, read from and written to Hugging Face `config.json`.
+//!
+//! [`ModelConfig::from_hf_json`] accepts `Qwen3ForCausalLM`, `Qwen2ForCausalLM` and
+//! `LlamaForCausalLM` configs as transformers writes them (4.x with `rope_theta` /
+//! `rope_scaling`, 5.x with `rope_parameters`), filling absent optional keys with
+//! transformers' defaults. The five shape keys (`vocab_size`, `hidden_size`,
+//! `intermediate_size`, `num_hidden_layers`, `num_attention_heads`) are required: a
+//! config without them is broken, and transformers' defaults would silently build a
+//! different model.
+
+use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
+use serde_json::{json, Map, Value};
 
 /// The decoder families floe runs; they differ only in a few switches of [`ModelConfig`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -11,6 +22,29 @@ pub enum Architecture {
     Qwen2,
     /// `LlamaForCausalLM`: neither.
     Llama,
+}
+
+impl Architecture {
+    /// Every supported family.
+    pub const ALL: [Architecture; 3] = [Self::Qwen3, Self::Qwen2, Self::Llama];
+
+    /// The transformers class name (`architectures[0]` in `config.json`).
+    pub fn hf_class(self) -> &'static str {
+        match self {
+            Self::Qwen3 => "Qwen3ForCausalLM",
+            Self::Qwen2 => "Qwen2ForCausalLM",
+            Self::Llama => "LlamaForCausalLM",
+        }
+    }
+
+    /// The transformers `model_type`.
+    pub fn model_type(self) -> &'static str {
+        match self {
+            Self::Qwen3 => "qwen3",
+            Self::Qwen2 => "qwen2",
+            Self::Llama => "llama",
+        }
+    }
 }
 
 /// RoPE frequency scaling of the `llama3` kind (`rope_scaling` in `config.json`).
@@ -63,4 +97,490 @@ pub struct ModelConfig {
     pub bos_token_id: Option<u32>,
     /// `eos_token_id` (one or several).
     pub eos_token_ids: Vec<u32>,
+}
+
+/// Why a `config.json` could not be turned into a [`ModelConfig`].
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("{path}: cannot read: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The OS error.
+        source: std::io::Error,
+    },
+    /// The file is not JSON.
+    #[error("{path}: not valid JSON: {source}")]
+    Json {
+        /// The file.
+        path: PathBuf,
+        /// The parser's error.
+        source: serde_json::Error,
+    },
+    /// A required key is absent.
+    #[error("{origin}: missing required key `{key}`")]
+    MissingKey {
+        /// The file (or `<json>` for an in-memory value).
+        origin: String,
+        /// The key.
+        key: &'static str,
+    },
+    /// A key holds a value of the wrong type or out of range.
+    #[error("{origin}: key `{key}`: {msg}")]
+    BadValue {
+        /// The file (or `<json>`).
+        origin: String,
+        /// The key.
+        key: String,
+        /// What is wrong with it.
+        msg: String,
+    },
+    /// `architectures` / `model_type` name a family floe does not run.
+    #[error(
+        "{origin}: unsupported architecture `{found}`; supported: \
+         Qwen3ForCausalLM, Qwen2ForCausalLM, LlamaForCausalLM"
+    )]
+    UnsupportedArchitecture {
+        /// The file (or `<json>`).
+        origin: String,
+        /// What the config names.
+        found: String,
+    },
+    /// A feature of the config that floe does not implement (sliding window, RoPE kind…).
+    #[error("{origin}: key `{key}`: unsupported: {msg}")]
+    Unsupported {
+        /// The file (or `<json>`).
+        origin: String,
+        /// The key.
+        key: String,
+        /// What is unsupported.
+        msg: String,
+    },
+    /// `ModelConfig::preset` got a name it does not know.
+    #[error("unknown model preset `{0}`; known: tiny, 0.6B, 1.7B, 4B, 8B")]
+    UnknownPreset(String),
+}
+
+/// Result of config parsing.
+pub type Result<T> = std::result::Result<T, ConfigError>;
+
+/// Reads typed keys out of one `config.json` object, naming the origin in every error.
+struct Keys<'a> {
+    origin: &'a str,
+    map: &'a Map<String, Value>,
+}
+
+impl<'a> Keys<'a> {
+    fn get(&self, key: &str) -> Option<&'a Value> {
+        self.map.get(key).filter(|v| !v.is_null())
+    }
+
+    fn bad(&self, key: &str, msg: impl Into<String>) -> ConfigError {
+        ConfigError::BadValue {
+            origin: self.origin.to_string(),
+            key: key.to_string(),
+            msg: msg.into(),
+        }
+    }
+
+    fn usize_opt(&self, key: &str) -> Result<Option<usize>> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(v) => v
+                .as_u64()
+                .map(|n| Some(n as usize))
+                .ok_or_else(|| self.bad(key, format!("expected a non-negative integer, got {v}"))),
+        }
+    }
+
+    fn usize_req(&self, key: &'static str) -> Result<usize> {
+        let n = self
+            .usize_opt(key)?
+            .ok_or_else(|| ConfigError::MissingKey {
+                origin: self.origin.to_string(),
+                key,
+            })?;
+        if n == 0 {
+            return Err(self.bad(key, "must be positive"));
+        }
+        Ok(n)
+    }
+
+    fn f32_opt(&self, key: &str) -> Result<Option<f32>> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(v) => v
+                .as_f64()
+                .map(|x| Some(x as f32))
+                .ok_or_else(|| self.bad(key, format!("expected a number, got {v}"))),
+        }
+    }
+
+    fn bool_opt(&self, key: &str) -> Result<Option<bool>> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(v) => v
+                .as_bool()
+                .map(Some)
+                .ok_or_else(|| self.bad(key, format!("expected true or false, got {v}"))),
+        }
+    }
+
+    fn str_opt(&self, key: &str) -> Result<Option<&'a str>> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(v) => v
+                .as_str()
+                .map(Some)
+                .ok_or_else(|| self.bad(key, format!("expected a string, got {v}"))),
+        }
+    }
+
+    /// A token id given as an integer, a list of integers, or null.
+    fn token_ids(&self, key: &str) -> Result<Vec<u32>> {
+        let as_id = |v: &Value| {
+            v.as_u64()
+                .filter(|&n| n <= u32::MAX as u64)
+                .map(|n| n as u32)
+                .ok_or_else(|| self.bad(key, format!("expected a token id, got {v}")))
+        };
+        match self.get(key) {
+            None => Ok(Vec::new()),
+            Some(Value::Array(items)) => items.iter().map(as_id).collect(),
+            Some(v) => Ok(vec![as_id(v)?]),
+        }
+    }
+}
+
+impl ModelConfig {
+    /// Reads a Hugging Face `config.json`.
+    pub fn from_hf_file(path: impl AsRef<Path>) -> Result<Self> {
+        let path = path.as_ref();
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        let value: Value = serde_json::from_str(&text).map_err(|source| ConfigError::Json {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        Self::parse(&value, &path.display().to_string())
+    }
+
+    /// Parses a Hugging Face config already in memory (errors name `<json>` as origin).
+    pub fn from_hf_json(value: &Value) -> Result<Self> {
+        Self::parse(value, "<json>")
+    }
+
+    fn parse(value: &Value, origin: &str) -> Result<Self> {
+        let map = value.as_object().ok_or_else(|| ConfigError::BadValue {
+            origin: origin.to_string(),
+            key: "<root>".into(),
+            msg: "expected a JSON object".into(),
+        })?;
+        let keys = Keys { origin, map };
+        let architecture = Self::architecture_of(&keys)?;
+
+        if let Some(act) = keys.str_opt("hidden_act")? {
+            if act != "silu" {
+                return Err(ConfigError::Unsupported {
+                    origin: origin.into(),
+                    key: "hidden_act".into(),
+                    msg: format!("`{act}` (only silu)"),
+                });
+            }
+        }
+        if keys.bool_opt("use_sliding_window")? == Some(true) {
+            return Err(ConfigError::Unsupported {
+                origin: origin.into(),
+                key: "use_sliding_window".into(),
+                msg: "sliding-window attention".into(),
+            });
+        }
+        if keys.bool_opt("mlp_bias")? == Some(true) {
+            return Err(ConfigError::Unsupported {
+                origin: origin.into(),
+                key: "mlp_bias".into(),
+                msg: "bias on the MLP projections".into(),
+            });
+        }
+
+        let vocab_size = keys.usize_req("vocab_size")?;
+        let hidden_size = keys.usize_req("hidden_size")?;
+        let intermediate_size = keys.usize_req("intermediate_size")?;
+        let num_hidden_layers = keys.usize_req("num_hidden_layers")?;
+        let num_attention_heads = keys.usize_req("num_attention_heads")?;
+        let num_key_value_heads = keys
+            .usize_opt("num_key_value_heads")?
+            .unwrap_or(num_attention_heads);
+        if num_key_value_heads == 0 || num_attention_heads % num_key_value_heads != 0 {
+            return Err(keys.bad(
+                "num_key_value_heads",
+                format!("{num_key_value_heads} does not divide num_attention_heads = {num_attention_heads}"),
+            ));
+        }
+        let head_dim = match keys.usize_opt("head_dim")? {
+            Some(d) => d,
+            None if architecture == Architecture::Qwen3 => 128,
+            None => {
+                if hidden_size % num_attention_heads != 0 {
+                    return Err(keys.bad(
+                        "head_dim",
+                        format!("absent, and hidden_size {hidden_size} is not a multiple of num_attention_heads {num_attention_heads}"),
+                    ));
+                }
+                hidden_size / num_attention_heads
+            }
+        };
+        if head_dim == 0 || head_dim % 2 != 0 {
+            return Err(keys.bad(
+                "head_dim",
+                format!("{head_dim} must be positive and even (RoPE)"),
+            ));
+        }
+
+        let (rope_theta, rope_scaling) = Self::rope_of(&keys)?;
+        let defaults = match architecture {
+            // (max_position_embeddings, rms_norm_eps, bos)
+            Architecture::Qwen3 | Architecture::Qwen2 => (32768, 1e-6, None),
+            Architecture::Llama => (2048, 1e-6, Some(1)),
+        };
+        let bos_token_id = match keys.get("bos_token_id") {
+            Some(_) => keys.token_ids("bos_token_id")?.first().copied(),
+            None if map.contains_key("bos_token_id") => None,
+            None => defaults.2,
+        };
+        let eos_token_ids = match keys.get("eos_token_id") {
+            Some(_) => keys.token_ids("eos_token_id")?,
+            None if !map.contains_key("eos_token_id") && architecture == Architecture::Llama => {
+                vec![2]
+            }
+            None => Vec::new(),
+        };
+        let attention_bias = match architecture {
+            // Qwen2 hard-codes bias on q/k/v in transformers.
+            Architecture::Qwen2 => true,
+            _ => keys.bool_opt("attention_bias")?.unwrap_or(false),
+        };
+
+        Ok(ModelConfig {
+            architecture,
+            vocab_size,
+            hidden_size,
+            intermediate_size,
+            num_hidden_layers,
+            num_attention_heads,
+            num_key_value_heads,
+            head_dim,
+            rms_norm_eps: keys.f32_opt("rms_norm_eps")?.unwrap_or(defaults.1),
+            rope_theta,
+            rope_scaling,
+            max_position_embeddings: keys
+                .usize_opt("max_position_embeddings")?
+                .unwrap_or(defaults.0),
+            tie_word_embeddings: keys.bool_opt("tie_word_embeddings")?.unwrap_or(false),
+            attention_bias,
+            qk_norm: architecture == Architecture::Qwen3,
+            bos_token_id,
+            eos_token_ids,
+        })
+    }
+
+    fn architecture_of(keys: &Keys<'_>) -> Result<Architecture> {
+        let unsupported = |found: &str| ConfigError::UnsupportedArchitecture {
+            origin: keys.origin.to_string(),
+            found: found.to_string(),
+        };
+        if let Some(list) = keys.get("architectures") {
+            let first = list
+                .as_array()
+                .and_then(|l| l.first())
+                .and_then(Value::as_str)
+                .ok_or_else(|| keys.bad("architectures", "expected a list of class names"))?;
+            return Architecture::ALL
+                .into_iter()
+                .find(|a| a.hf_class() == first)
+                .ok_or_else(|| unsupported(first));
+        }
+        let model_type = keys.str_opt("model_type")?.ok_or(ConfigError::MissingKey {
+            origin: keys.origin.to_string(),
+            key: "architectures",
+        })?;
+        Architecture::ALL
+            .into_iter()
+            .find(|a| a.model_type() == model_type)
+            .ok_or_else(|| unsupported(model_type))
+    }
+
+    /// RoPE base and scaling, from `rope_theta` + `rope_scaling` (transformers 4.x) or
+    /// `rope_parameters` (5.x).
+    fn rope_of(keys: &Keys<'_>) -> Result<(f32, Option<Llama3RopeScaling>)> {
+        let (params_key, params) = match keys.get("rope_parameters") {
+            Some(p) => ("rope_parameters", Some(p)),
+            None => ("rope_scaling", keys.get("rope_scaling")),
+        };
+        let params = match params {
+            None => None,
+            Some(Value::Object(m)) => Some(m),
+            Some(v) => return Err(keys.bad(params_key, format!("expected an object, got {v}"))),
+        };
+        let sub = params.map(|map| Keys {
+            origin: keys.origin,
+            map,
+        });
+        let theta = match sub
+            .as_ref()
+            .map(|s| s.f32_opt("rope_theta"))
+            .transpose()?
+            .flatten()
+        {
+            Some(t) => t,
+            None => keys.f32_opt("rope_theta")?.unwrap_or(10000.0),
+        };
+        let Some(sub) = sub else {
+            return Ok((theta, None));
+        };
+        let kind = match sub.str_opt("rope_type")? {
+            Some(k) => Some(k),
+            None => sub.str_opt("type")?,
+        };
+        let key = |k: &str| format!("{params_key}.{k}");
+        match kind.unwrap_or("default") {
+            "default" => Ok((theta, None)),
+            "llama3" => {
+                let need = |k: &'static str| -> Result<f32> {
+                    sub.f32_opt(k)?.ok_or_else(|| ConfigError::BadValue {
+                        origin: keys.origin.to_string(),
+                        key: key(k),
+                        msg: "required for llama3 RoPE scaling".into(),
+                    })
+                };
+                let original = sub
+                    .usize_opt("original_max_position_embeddings")?
+                    .ok_or_else(|| ConfigError::BadValue {
+                        origin: keys.origin.to_string(),
+                        key: key("original_max_position_embeddings"),
+                        msg: "required for llama3 RoPE scaling".into(),
+                    })?;
+                Ok((
+                    theta,
+                    Some(Llama3RopeScaling {
+                        factor: need("factor")?,
+                        low_freq_factor: need("low_freq_factor")?,
+                        high_freq_factor: need("high_freq_factor")?,
+                        original_max_position_embeddings: original,
+                    }),
+                ))
+            }
+            other => Err(ConfigError::Unsupported {
+                origin: keys.origin.to_string(),
+                key: key("rope_type"),
+                msg: format!("RoPE kind `{other}` (only default and llama3)"),
+            }),
+        }
+    }
+
+    /// The `config.json` transformers loads back into the same model. `torch_dtype`
+    /// records the dtype the weights are saved in (`"float32"` or `"bfloat16"`).
+    pub fn to_hf_json(&self, torch_dtype: &str) -> Value {
+        let eos = match self.eos_token_ids.as_slice() {
+            [] => Value::Null,
+            [one] => json!(one),
+            many => json!(many),
+        };
+        let rope_scaling = self.rope_scaling.map(|s| {
+            json!({
+                "rope_type": "llama3",
+                "factor": s.factor,
+                "low_freq_factor": s.low_freq_factor,
+                "high_freq_factor": s.high_freq_factor,
+                "original_max_position_embeddings": s.original_max_position_embeddings,
+            })
+        });
+        let mut v = json!({
+            "architectures": [self.architecture.hf_class()],
+            "model_type": self.architecture.model_type(),
+            "torch_dtype": torch_dtype,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": rope_scaling,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": self.attention_bias,
+            "attention_dropout": 0.0,
+            "initializer_range": 0.02,
+            "use_cache": true,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": eos,
+        });
+        if self.architecture == Architecture::Llama {
+            v["mlp_bias"] = json!(false);
+        } else {
+            v["use_sliding_window"] = json!(false);
+            v["sliding_window"] = Value::Null;
+            v["max_window_layers"] = json!(self.num_hidden_layers);
+        }
+        v
+    }
+
+    /// A Qwen3 shape by name: `tiny`, `0.6B`, `1.7B`, `4B` or `8B` (the public Qwen3
+    /// configs; `tiny` is floe's own 4-layer test size). Vocabulary 151936, head size 128
+    /// (64 for `tiny`), RoPE base 1e6, RMSNorm eps 1e-6; the embeddings are tied up to 4B.
+    pub fn preset(name: &str) -> Result<Self> {
+        // (hidden, intermediate, layers, heads, kv_heads)
+        let (hidden, inter, layers, heads, kv) = match name {
+            "tiny" => (256, 768, 4, 4, 2),
+            "0.6B" => (1024, 3072, 28, 16, 8),
+            "1.7B" => (2048, 6144, 28, 16, 8),
+            "4B" => (2560, 9728, 36, 32, 8),
+            "8B" => (4096, 12288, 36, 32, 8),
+            _ => return Err(ConfigError::UnknownPreset(name.to_string())),
+        };
+        Ok(ModelConfig {
+            architecture: Architecture::Qwen3,
+            vocab_size: 151936,
+            hidden_size: hidden,
+            intermediate_size: inter,
+            num_hidden_layers: layers,
+            num_attention_heads: heads,
+            num_key_value_heads: kv,
+            head_dim: if name == "tiny" { 64 } else { 128 },
+            rms_norm_eps: 1e-6,
+            rope_theta: 1e6,
+            rope_scaling: None,
+            max_position_embeddings: 40960,
+            tie_word_embeddings: name != "8B",
+            attention_bias: false,
+            qk_norm: true,
+            bos_token_id: Some(151643),
+            eos_token_ids: vec![151645],
+        })
+    }
+
+    /// Number of scalar parameters (every tensor of [`crate::weights::tensor_specs`]).
+    pub fn num_parameters(&self) -> usize {
+        crate::weights::tensor_specs(self)
+            .iter()
+            .map(|(_, shape)| shape.iter().product::<usize>())
+            .sum()
+    }
+
+    /// Rows of `q_proj` (`heads × head_dim`).
+    pub fn q_dim(&self) -> usize {
+        self.num_attention_heads * self.head_dim
+    }
+
+    /// Rows of `k_proj` and `v_proj` (`kv_heads × head_dim`).
+    pub fn kv_dim(&self) -> usize {
+        self.num_key_value_heads * self.head_dim
+    }
 }
