@@ -1,1 +1,0 @@
-//! The CPU reference backend (to be implemented).

@@ -1,0 +1,144 @@
+//! The fused lm-head on the CPU: per chunk of rows, logits by one product, then
+//! log-prob, entropy and log-sum-exp per row; the backward recomputes the chunk's logits.
+
+use rayon::prelude::*;
+
+use super::float::CpuFloat;
+use super::gemm;
+use crate::{LmHead, Matmul};
+
+/// Rows `[start, start + rows)` of the chunk walk.
+fn chunks(spec: &LmHead) -> impl Iterator<Item = (usize, usize)> {
+    let (tokens, step) = (spec.tokens, spec.chunk_rows);
+    (0..tokens)
+        .step_by(step)
+        .map(move |start| (start, step.min(tokens - start)))
+}
+
+/// `logits[r, :] = logit_scale · hidden[r] · wᵀ` for one chunk.
+fn chunk_logits<T: CpuFloat>(logits: &mut [T], hidden: &[T], w: &[T], rows: usize, spec: &LmHead) {
+    let dims = Matmul {
+        m: rows,
+        n: spec.vocab,
+        k: spec.dim,
+        trans_a: false,
+        trans_b: true,
+    };
+    gemm(
+        logits,
+        hidden,
+        w,
+        dims,
+        false,
+        T::from_f32(spec.logit_scale),
+    );
+}
+
+/// See [`crate::Backend::lm_head_forward`]. Targets are already checked `< vocab`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn forward<T: CpuFloat>(
+    logprobs: &mut [T],
+    entropy: &mut [T],
+    lse: &mut [T],
+    hidden: &[T],
+    w: &[T],
+    targets: &[u32],
+    spec: LmHead,
+) {
+    let (dim, vocab) = (spec.dim, spec.vocab);
+    let mut logits = vec![T::ZERO; spec.chunk_rows.min(spec.tokens) * vocab];
+    for (start, rows) in chunks(&spec) {
+        let z = &mut logits[..rows * vocab];
+        chunk_logits(
+            z,
+            &hidden[start * dim..(start + rows) * dim],
+            w,
+            rows,
+            &spec,
+        );
+        let range = start..start + rows;
+        z.par_chunks(vocab)
+            .zip(logprobs[range.clone()].par_iter_mut())
+            .zip(entropy[range.clone()].par_iter_mut())
+            .zip(lse[range.clone()].par_iter_mut())
+            .zip(targets[range].par_iter())
+            .for_each(|((((z, lp), ent), lse), &target)| {
+                let max = z.iter().fold(T::NEG_INFINITY, |m, &x| m.max(x));
+                let mut sum = T::ZERO;
+                let mut weighted = T::ZERO;
+                for &x in z {
+                    let e = (x - max).exp();
+                    sum += e;
+                    weighted += e * x;
+                }
+                let row_lse = max + sum.ln();
+                *lse = row_lse;
+                *lp = z[target as usize] - row_lse;
+                // H = −Σ p (z − lse) = lse − Σ p z.
+                *ent = row_lse - weighted / sum;
+            });
+    }
+}
+
+/// See [`crate::Backend::lm_head_backward`].
+///
+/// With `z` the scaled logits, `p = softmax(z)` and `μ = Σ p z`:
+/// `∂logprob/∂z_j = δ_{j,target} − p_j` and `∂H/∂z_j = −p_j (z_j − μ)`; the gradient of
+/// the unscaled product `h·wᵀ` is `logit_scale` times their weighted sum.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn backward<T: CpuFloat>(
+    dhidden: &mut [T],
+    dw: &mut [T],
+    dlogprobs: &[T],
+    dentropy: &[T],
+    hidden: &[T],
+    w: &[T],
+    targets: &[u32],
+    lse: &[T],
+    spec: LmHead,
+) {
+    let (dim, vocab) = (spec.dim, spec.vocab);
+    let scale = T::from_f32(spec.logit_scale);
+    let mut grad = vec![T::ZERO; spec.chunk_rows.min(spec.tokens) * vocab];
+    for (start, rows) in chunks(&spec) {
+        let h = &hidden[start * dim..(start + rows) * dim];
+        let g = &mut grad[..rows * vocab];
+        chunk_logits(g, h, w, rows, &spec);
+        g.par_chunks_mut(vocab).enumerate().for_each(|(r, g)| {
+            let t = start + r;
+            let (g_lp, g_h, row_lse) = (dlogprobs[t], dentropy[t], lse[t]);
+            let mut mean_z = T::ZERO;
+            for &z in g.iter() {
+                mean_z += (z - row_lse).exp() * z;
+            }
+            for z in g.iter_mut() {
+                let p = (*z - row_lse).exp();
+                *z = scale * (-g_lp * p - g_h * p * (*z - mean_z));
+            }
+            g[targets[t] as usize] += scale * g_lp;
+        });
+        let dh = Matmul {
+            m: rows,
+            n: dim,
+            k: vocab,
+            trans_a: false,
+            trans_b: false,
+        };
+        gemm(
+            &mut dhidden[start * dim..(start + rows) * dim],
+            g,
+            w,
+            dh,
+            false,
+            T::ONE,
+        );
+        let dwd = Matmul {
+            m: vocab,
+            n: dim,
+            k: rows,
+            trans_a: true,
+            trans_b: false,
+        };
+        gemm(dw, g, h, dwd, true, T::ONE);
+    }
+}

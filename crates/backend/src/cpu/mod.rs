@@ -1,0 +1,1131 @@
+//! The CPU reference backend: every [`Backend`] op in plain loops over slices, rayon over
+//! rows and heads, and the `gemm` crate for products.
+//!
+//! [`CpuBackend<T>`] stores Compute and Full buffers alike as `Vec<T>` (it remembers the
+//! kind each was allocated with) and Index buffers as `Vec<u32>`. `T = f32` is the
+//! everyday backend; `T = f64` makes uploads and downloads exact, which the
+//! finite-difference gradient checks of the backend and the model rely on.
+//!
+//! Every op checks the lengths and kinds of its arguments against the dimensions it was
+//! given and returns [`Error::Shape`] or [`Error::Kind`] naming the op and the argument.
+
+mod attention;
+mod float;
+mod lm_head;
+
+use std::marker::PhantomData;
+
+use rayon::prelude::*;
+
+pub use float::CpuFloat;
+
+use crate::{
+    sampling, AdamW, AttnShape, Backend, BufKind, Error, LmHead, Matmul, PagedLayout, Result,
+    Sampled, SamplingRow, Segment,
+};
+
+/// A buffer of [`CpuBackend<T>`].
+#[derive(Clone, Debug, PartialEq)]
+pub enum CpuBuf<T> {
+    /// A Compute or Full buffer (same storage on the CPU; the kind is kept for checks).
+    Float {
+        /// The values.
+        data: Vec<T>,
+        /// [`BufKind::Compute`] or [`BufKind::Full`].
+        kind: BufKind,
+    },
+    /// An Index buffer.
+    Index(Vec<u32>),
+}
+
+/// The CPU reference backend, generic over its float (`f32` by default).
+#[derive(Clone, Debug, Default)]
+pub struct CpuBackend<T: CpuFloat = f32> {
+    _float: PhantomData<T>,
+}
+
+impl<T: CpuFloat> CpuBackend<T> {
+    /// A backend on rayon's global thread pool.
+    pub fn new() -> Self {
+        Self {
+            _float: PhantomData,
+        }
+    }
+}
+
+/// Products smaller than this many multiply-adds run on one thread.
+const PARALLEL_GEMM_FLOPS: usize = 1 << 18;
+
+/// `c = alpha·op(a)·op(b)`, or `c += alpha·op(a)·op(b)` when `accumulate`; lengths checked
+/// by the caller.
+pub(crate) fn gemm<T: CpuFloat>(
+    c: &mut [T],
+    a: &[T],
+    b: &[T],
+    dims: Matmul,
+    accumulate: bool,
+    alpha: T,
+) {
+    let Matmul {
+        m,
+        n,
+        k,
+        trans_a,
+        trans_b,
+    } = dims;
+    if m == 0 || n == 0 {
+        return;
+    }
+    if k == 0 {
+        if !accumulate {
+            c.fill(T::ZERO);
+        }
+        return;
+    }
+    // Row-major strides (row, column) of op(A) [m, k] and op(B) [k, n].
+    let (a_rs, a_cs) = if trans_a { (1, m) } else { (k, 1) };
+    let (b_rs, b_cs) = if trans_b { (1, k) } else { (n, 1) };
+    let parallelism = if m * n * k >= PARALLEL_GEMM_FLOPS {
+        gemm::Parallelism::Rayon(rayon::current_num_threads())
+    } else {
+        gemm::Parallelism::None
+    };
+    // SAFETY: the caller checked `c.len() == m·n`, `a.len() == m·k` and `b.len() == k·n`,
+    // so every offset the strides above produce lies inside its slice; `c` is borrowed
+    // mutably, so it aliases neither input.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            c.as_mut_ptr(),
+            1,
+            n as isize,
+            accumulate,
+            a.as_ptr(),
+            a_cs as isize,
+            a_rs as isize,
+            b.as_ptr(),
+            b_cs as isize,
+            b_rs as isize,
+            T::ONE,
+            alpha,
+            false,
+            false,
+            false,
+            parallelism,
+        );
+    }
+}
+
+// ---- argument checks -------------------------------------------------------------------
+
+fn float_kind<T>(buf: &CpuBuf<T>) -> BufKind {
+    match buf {
+        CpuBuf::Float { kind, .. } => *kind,
+        CpuBuf::Index(_) => BufKind::Index,
+    }
+}
+
+/// The values of a Compute or Full buffer.
+fn floats<'a, T>(op: &'static str, arg: &'static str, buf: &'a CpuBuf<T>) -> Result<&'a [T]> {
+    match buf {
+        CpuBuf::Float { data, .. } => Ok(data),
+        CpuBuf::Index(_) => Err(Error::Kind {
+            op,
+            arg,
+            expected: BufKind::Compute,
+            got: BufKind::Index,
+        }),
+    }
+}
+
+fn floats_mut<'a, T>(
+    op: &'static str,
+    arg: &'static str,
+    buf: &'a mut CpuBuf<T>,
+) -> Result<&'a mut [T]> {
+    match buf {
+        CpuBuf::Float { data, .. } => Ok(data),
+        CpuBuf::Index(_) => Err(Error::Kind {
+            op,
+            arg,
+            expected: BufKind::Compute,
+            got: BufKind::Index,
+        }),
+    }
+}
+
+/// The values of a buffer that must be Full (statistics, master weights, optimizer state).
+fn full<'a, T>(op: &'static str, arg: &'static str, buf: &'a CpuBuf<T>) -> Result<&'a [T]> {
+    match buf {
+        CpuBuf::Float {
+            data,
+            kind: BufKind::Full,
+        } => Ok(data),
+        other => Err(Error::Kind {
+            op,
+            arg,
+            expected: BufKind::Full,
+            got: float_kind(other),
+        }),
+    }
+}
+
+fn full_mut<'a, T>(
+    op: &'static str,
+    arg: &'static str,
+    buf: &'a mut CpuBuf<T>,
+) -> Result<&'a mut [T]> {
+    match buf {
+        CpuBuf::Float {
+            data,
+            kind: BufKind::Full,
+        } => Ok(data),
+        other => Err(Error::Kind {
+            op,
+            arg,
+            expected: BufKind::Full,
+            got: float_kind(other),
+        }),
+    }
+}
+
+fn indices<'a, T>(op: &'static str, arg: &'static str, buf: &'a CpuBuf<T>) -> Result<&'a [u32]> {
+    match buf {
+        CpuBuf::Index(data) => Ok(data),
+        other => Err(Error::Kind {
+            op,
+            arg,
+            expected: BufKind::Index,
+            got: float_kind(other),
+        }),
+    }
+}
+
+fn check_len(op: &'static str, arg: &'static str, got: usize, expected: usize) -> Result<()> {
+    if got == expected {
+        Ok(())
+    } else {
+        Err(Error::Shape {
+            op,
+            msg: format!("`{arg}` has {got} elements, expected {expected}"),
+        })
+    }
+}
+
+/// Checks every id is below `bound` (rows of the table it indexes).
+fn check_ids(op: &'static str, arg: &'static str, ids: &[u32], bound: usize) -> Result<()> {
+    match ids.iter().position(|&i| i as usize >= bound) {
+        None => Ok(()),
+        Some(at) => Err(Error::Shape {
+            op,
+            msg: format!("`{arg}[{at}]` = {} is out of range 0..{bound}", ids[at]),
+        }),
+    }
+}
+
+fn check_attn_shape(op: &'static str, shape: &AttnShape) -> Result<()> {
+    if shape.kv_heads == 0 || shape.head_dim == 0 || shape.q_heads % shape.kv_heads != 0 {
+        return Err(Error::Shape {
+            op,
+            msg: format!(
+                "q_heads {} must be a positive multiple of kv_heads {} and head_dim {} positive",
+                shape.q_heads, shape.kv_heads, shape.head_dim
+            ),
+        });
+    }
+    Ok(())
+}
+
+fn check_lm_head(op: &'static str, spec: &LmHead) -> Result<()> {
+    if spec.chunk_rows == 0 || spec.vocab == 0 {
+        return Err(Error::Shape {
+            op,
+            msg: format!(
+                "chunk_rows ({}) and vocab ({}) must be positive",
+                spec.chunk_rows, spec.vocab
+            ),
+        });
+    }
+    Ok(())
+}
+
+impl<T: CpuFloat> Backend for CpuBackend<T> {
+    type Buf = CpuBuf<T>;
+
+    fn name(&self) -> String {
+        format!(
+            "cpu ({}, {} threads)",
+            T::NAME,
+            rayon::current_num_threads()
+        )
+    }
+
+    fn memory_info(&self) -> Option<(usize, usize)> {
+        None
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        Ok(())
+    }
+
+    fn compute_is_full(&self) -> bool {
+        true
+    }
+
+    // ---- buffers -----------------------------------------------------------------------
+
+    fn len(&self, buf: &CpuBuf<T>) -> usize {
+        match buf {
+            CpuBuf::Float { data, .. } => data.len(),
+            CpuBuf::Index(data) => data.len(),
+        }
+    }
+
+    fn kind(&self, buf: &CpuBuf<T>) -> BufKind {
+        float_kind(buf)
+    }
+
+    fn zeros(&self, len: usize, kind: BufKind) -> Result<CpuBuf<T>> {
+        Ok(match kind {
+            BufKind::Index => CpuBuf::Index(vec![0; len]),
+            kind => CpuBuf::Float {
+                data: vec![T::ZERO; len],
+                kind,
+            },
+        })
+    }
+
+    fn upload(&self, data: &[f32], kind: BufKind) -> Result<CpuBuf<T>> {
+        if kind == BufKind::Index {
+            return Err(Error::Kind {
+                op: "upload",
+                arg: "kind",
+                expected: BufKind::Compute,
+                got: kind,
+            });
+        }
+        Ok(CpuBuf::Float {
+            data: data.iter().map(|&x| T::from_f32(x)).collect(),
+            kind,
+        })
+    }
+
+    fn upload_f64(&self, data: &[f64], kind: BufKind) -> Result<CpuBuf<T>> {
+        if kind == BufKind::Index {
+            return Err(Error::Kind {
+                op: "upload_f64",
+                arg: "kind",
+                expected: BufKind::Compute,
+                got: kind,
+            });
+        }
+        Ok(CpuBuf::Float {
+            data: data.iter().map(|&x| T::from_f64(x)).collect(),
+            kind,
+        })
+    }
+
+    fn upload_index(&self, data: &[u32]) -> Result<CpuBuf<T>> {
+        Ok(CpuBuf::Index(data.to_vec()))
+    }
+
+    fn download(&self, buf: &CpuBuf<T>) -> Result<Vec<f32>> {
+        Ok(floats("download", "buf", buf)?
+            .iter()
+            .map(|x| x.to_f32())
+            .collect())
+    }
+
+    fn download_f64(&self, buf: &CpuBuf<T>) -> Result<Vec<f64>> {
+        Ok(floats("download_f64", "buf", buf)?
+            .iter()
+            .map(|x| x.to_f64())
+            .collect())
+    }
+
+    fn download_index(&self, buf: &CpuBuf<T>) -> Result<Vec<u32>> {
+        Ok(indices("download_index", "buf", buf)?.to_vec())
+    }
+
+    fn copy(&self, dst: &mut CpuBuf<T>, src: &CpuBuf<T>) -> Result<()> {
+        const OP: &str = "copy";
+        check_len(OP, "src", self.len(src), self.len(dst))?;
+        match (dst, src) {
+            (CpuBuf::Index(d), CpuBuf::Index(s)) => d.copy_from_slice(s),
+            (CpuBuf::Float { data: d, .. }, CpuBuf::Float { data: s, .. }) => d.copy_from_slice(s),
+            (dst, src) => {
+                return Err(Error::Kind {
+                    op: OP,
+                    arg: "src",
+                    expected: float_kind(dst),
+                    got: float_kind(src),
+                })
+            }
+        }
+        Ok(())
+    }
+
+    fn copy_into(&self, dst: &mut CpuBuf<T>, offset: usize, src: &CpuBuf<T>) -> Result<()> {
+        const OP: &str = "copy_into";
+        let (dst_len, src_len) = (self.len(dst), self.len(src));
+        if offset + src_len > dst_len {
+            return Err(Error::Shape {
+                op: OP,
+                msg: format!(
+                    "`src` of {src_len} elements at offset {offset} overruns `dst` of {dst_len}"
+                ),
+            });
+        }
+        if float_kind(dst) != float_kind(src) {
+            return Err(Error::Kind {
+                op: OP,
+                arg: "src",
+                expected: float_kind(dst),
+                got: float_kind(src),
+            });
+        }
+        match (dst, src) {
+            (CpuBuf::Index(d), CpuBuf::Index(s)) => d[offset..offset + src_len].copy_from_slice(s),
+            (CpuBuf::Float { data: d, .. }, CpuBuf::Float { data: s, .. }) => {
+                d[offset..offset + src_len].copy_from_slice(s)
+            }
+            _ => unreachable!("kinds checked equal above"),
+        }
+        Ok(())
+    }
+
+    fn fill_zero(&self, buf: &mut CpuBuf<T>) -> Result<()> {
+        match buf {
+            CpuBuf::Float { data, .. } => data.fill(T::ZERO),
+            CpuBuf::Index(data) => data.fill(0),
+        }
+        Ok(())
+    }
+
+    // ---- elementwise and reductions ----------------------------------------------------
+
+    fn add_assign(&self, y: &mut CpuBuf<T>, x: &CpuBuf<T>) -> Result<()> {
+        const OP: &str = "add_assign";
+        let x = floats(OP, "x", x)?;
+        let y = floats_mut(OP, "y", y)?;
+        check_len(OP, "x", x.len(), y.len())?;
+        y.par_iter_mut()
+            .zip(x.par_iter())
+            .for_each(|(y, &x)| *y += x);
+        Ok(())
+    }
+
+    fn scale(&self, y: &mut CpuBuf<T>, alpha: f32) -> Result<()> {
+        let alpha = T::from_f32(alpha);
+        floats_mut("scale", "y", y)?
+            .par_iter_mut()
+            .for_each(|y| *y *= alpha);
+        Ok(())
+    }
+
+    fn sum_squares(&self, x: &CpuBuf<T>) -> Result<f64> {
+        Ok(floats("sum_squares", "x", x)?
+            .par_iter()
+            .map(|&x| x.to_f64() * x.to_f64())
+            .sum())
+    }
+
+    fn gather_rows(
+        &self,
+        out: &mut CpuBuf<T>,
+        x: &CpuBuf<T>,
+        rows: &CpuBuf<T>,
+        dim: usize,
+    ) -> Result<()> {
+        const OP: &str = "gather_rows";
+        let rows = indices(OP, "rows", rows)?;
+        let x = floats(OP, "x", x)?;
+        let out = floats_mut(OP, "out", out)?;
+        check_len(OP, "out", out.len(), rows.len() * dim)?;
+        if dim == 0 || x.len() % dim != 0 {
+            return Err(Error::Shape {
+                op: OP,
+                msg: format!("`x` of {} elements is not whole rows of {dim}", x.len()),
+            });
+        }
+        check_ids(OP, "rows", rows, x.len() / dim)?;
+        out.par_chunks_mut(dim)
+            .zip(rows.par_iter())
+            .for_each(|(o, &r)| o.copy_from_slice(&x[r as usize * dim..(r as usize + 1) * dim]));
+        Ok(())
+    }
+
+    // ---- dense -------------------------------------------------------------------------
+
+    fn matmul(
+        &self,
+        c: &mut CpuBuf<T>,
+        a: &CpuBuf<T>,
+        b: &CpuBuf<T>,
+        dims: Matmul,
+        accumulate: bool,
+    ) -> Result<()> {
+        const OP: &str = "matmul";
+        let a = floats(OP, "a", a)?;
+        let b = floats(OP, "b", b)?;
+        let c = floats_mut(OP, "c", c)?;
+        check_len(OP, "a", a.len(), dims.m * dims.k)?;
+        check_len(OP, "b", b.len(), dims.k * dims.n)?;
+        check_len(OP, "c", c.len(), dims.m * dims.n)?;
+        gemm(c, a, b, dims, accumulate, T::ONE);
+        Ok(())
+    }
+
+    fn add_bias(
+        &self,
+        y: &mut CpuBuf<T>,
+        bias: &CpuBuf<T>,
+        rows: usize,
+        cols: usize,
+    ) -> Result<()> {
+        const OP: &str = "add_bias";
+        let bias = floats(OP, "bias", bias)?;
+        let y = floats_mut(OP, "y", y)?;
+        check_len(OP, "bias", bias.len(), cols)?;
+        check_len(OP, "y", y.len(), rows * cols)?;
+        if cols == 0 {
+            return Ok(());
+        }
+        y.par_chunks_mut(cols).for_each(|row| {
+            for (y, &b) in row.iter_mut().zip(bias) {
+                *y += b;
+            }
+        });
+        Ok(())
+    }
+
+    fn add_bias_backward(
+        &self,
+        dbias: &mut CpuBuf<T>,
+        dy: &CpuBuf<T>,
+        rows: usize,
+        cols: usize,
+    ) -> Result<()> {
+        const OP: &str = "add_bias_backward";
+        let dy = floats(OP, "dy", dy)?;
+        let dbias = floats_mut(OP, "dbias", dbias)?;
+        check_len(OP, "dbias", dbias.len(), cols)?;
+        check_len(OP, "dy", dy.len(), rows * cols)?;
+        if cols == 0 {
+            return Ok(());
+        }
+        for row in dy.chunks(cols) {
+            for (db, &d) in dbias.iter_mut().zip(row) {
+                *db += d;
+            }
+        }
+        Ok(())
+    }
+
+    // ---- embedding ---------------------------------------------------------------------
+
+    fn embedding_forward(
+        &self,
+        out: &mut CpuBuf<T>,
+        table: &CpuBuf<T>,
+        ids: &CpuBuf<T>,
+        dim: usize,
+    ) -> Result<()> {
+        self.gather_rows(out, table, ids, dim).map_err(|e| match e {
+            Error::Shape { msg, .. } => Error::Shape {
+                op: "embedding_forward",
+                msg: msg.replace("`x`", "`table`").replace("`rows", "`ids"),
+            },
+            Error::Kind {
+                arg, expected, got, ..
+            } => Error::Kind {
+                op: "embedding_forward",
+                arg: match arg {
+                    "x" => "table",
+                    "rows" => "ids",
+                    other => other,
+                },
+                expected,
+                got,
+            },
+            other => other,
+        })
+    }
+
+    fn embedding_backward(
+        &self,
+        dtable: &mut CpuBuf<T>,
+        dout: &CpuBuf<T>,
+        ids: &CpuBuf<T>,
+        dim: usize,
+    ) -> Result<()> {
+        const OP: &str = "embedding_backward";
+        let ids = indices(OP, "ids", ids)?;
+        let dout = floats(OP, "dout", dout)?;
+        let dtable = floats_mut(OP, "dtable", dtable)?;
+        check_len(OP, "dout", dout.len(), ids.len() * dim)?;
+        if dim == 0 || dtable.len() % dim != 0 {
+            return Err(Error::Shape {
+                op: OP,
+                msg: format!(
+                    "`dtable` of {} elements is not whole rows of {dim}",
+                    dtable.len()
+                ),
+            });
+        }
+        check_ids(OP, "ids", ids, dtable.len() / dim)?;
+        for (row, &id) in dout.chunks(dim).zip(ids) {
+            let id = id as usize;
+            for (d, &g) in dtable[id * dim..(id + 1) * dim].iter_mut().zip(row) {
+                *d += g;
+            }
+        }
+        Ok(())
+    }
+
+    // ---- RMSNorm -----------------------------------------------------------------------
+
+    fn rmsnorm_forward(
+        &self,
+        out: &mut CpuBuf<T>,
+        rstd: &mut CpuBuf<T>,
+        x: &CpuBuf<T>,
+        w: &CpuBuf<T>,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+    ) -> Result<()> {
+        const OP: &str = "rmsnorm_forward";
+        let x = floats(OP, "x", x)?;
+        let w = floats(OP, "w", w)?;
+        let out = floats_mut(OP, "out", out)?;
+        let rstd = full_mut(OP, "rstd", rstd)?;
+        check_len(OP, "x", x.len(), rows * dim)?;
+        check_len(OP, "w", w.len(), dim)?;
+        check_len(OP, "out", out.len(), rows * dim)?;
+        check_len(OP, "rstd", rstd.len(), rows)?;
+        if dim == 0 {
+            return Ok(());
+        }
+        let (eps, n) = (T::from_f32(eps), T::from_f64(dim as f64));
+        out.par_chunks_mut(dim)
+            .zip(rstd.par_iter_mut())
+            .zip(x.par_chunks(dim))
+            .for_each(|((out, rstd), x)| {
+                let mean_sq = float::dot(x, x) / n;
+                let r = T::ONE / (mean_sq + eps).sqrt();
+                *rstd = r;
+                for ((o, &x), &w) in out.iter_mut().zip(x).zip(w) {
+                    *o = x * r * w;
+                }
+            });
+        Ok(())
+    }
+
+    fn rmsnorm_backward(
+        &self,
+        dx: &mut CpuBuf<T>,
+        dw: &mut CpuBuf<T>,
+        dout: &CpuBuf<T>,
+        x: &CpuBuf<T>,
+        w: &CpuBuf<T>,
+        rstd: &CpuBuf<T>,
+        rows: usize,
+        dim: usize,
+    ) -> Result<()> {
+        const OP: &str = "rmsnorm_backward";
+        let dout = floats(OP, "dout", dout)?;
+        let x = floats(OP, "x", x)?;
+        let w = floats(OP, "w", w)?;
+        let rstd = full(OP, "rstd", rstd)?;
+        let dx = floats_mut(OP, "dx", dx)?;
+        let dw = floats_mut(OP, "dw", dw)?;
+        for (arg, len) in [("dout", dout.len()), ("x", x.len()), ("dx", dx.len())] {
+            check_len(OP, arg, len, rows * dim)?;
+        }
+        check_len(OP, "w", w.len(), dim)?;
+        check_len(OP, "dw", dw.len(), dim)?;
+        check_len(OP, "rstd", rstd.len(), rows)?;
+        if dim == 0 {
+            return Ok(());
+        }
+        let n = T::from_f64(dim as f64);
+        // y_i = x_i r w_i with r = (mean(x²) + eps)^(-1/2), so
+        // dx_i = r w_i dy_i − x_i r³/n · Σ_j dy_j w_j x_j.
+        dx.par_chunks_mut(dim)
+            .zip(dout.par_chunks(dim))
+            .zip(x.par_chunks(dim))
+            .zip(rstd.par_iter())
+            .for_each(|(((dx, dy), x), &r)| {
+                let mut proj = T::ZERO;
+                for ((&dy, &x), &w) in dy.iter().zip(x).zip(w) {
+                    proj += dy * w * x;
+                }
+                let c = r * r * r * proj / n;
+                for (((dx, &dy), &x), &w) in dx.iter_mut().zip(dy).zip(x).zip(w) {
+                    *dx = r * w * dy - c * x;
+                }
+            });
+        for ((dy, x), &r) in dout.chunks(dim).zip(x.chunks(dim)).zip(rstd) {
+            for ((dw, &dy), &x) in dw.iter_mut().zip(dy).zip(x) {
+                *dw += dy * x * r;
+            }
+        }
+        Ok(())
+    }
+
+    // ---- RoPE --------------------------------------------------------------------------
+
+    fn rope(
+        &self,
+        x: &mut CpuBuf<T>,
+        positions: &CpuBuf<T>,
+        inv_freq: &CpuBuf<T>,
+        tokens: usize,
+        heads: usize,
+        head_dim: usize,
+        inverse: bool,
+    ) -> Result<()> {
+        const OP: &str = "rope";
+        let positions = indices(OP, "positions", positions)?;
+        let inv_freq = full(OP, "inv_freq", inv_freq)?;
+        let x = floats_mut(OP, "x", x)?;
+        if head_dim % 2 != 0 {
+            return Err(Error::Shape {
+                op: OP,
+                msg: format!("head_dim {head_dim} must be even"),
+            });
+        }
+        let half = head_dim / 2;
+        check_len(OP, "positions", positions.len(), tokens)?;
+        check_len(OP, "inv_freq", inv_freq.len(), half)?;
+        check_len(OP, "x", x.len(), tokens * heads * head_dim)?;
+        if heads == 0 || half == 0 {
+            return Ok(());
+        }
+        x.par_chunks_mut(heads * head_dim)
+            .zip(positions.par_iter())
+            .for_each(|(x_t, &pos)| {
+                let pos = T::from_f64(pos as f64);
+                for (i, &f) in inv_freq.iter().enumerate() {
+                    // The angle is formed in the storage float, as HF forms it in f32.
+                    let angle = pos * f;
+                    let (sin, cos) = (angle.sin(), angle.cos());
+                    let sin = if inverse { -sin } else { sin };
+                    for head in x_t.chunks_mut(head_dim) {
+                        let (a, b) = (head[i], head[i + half]);
+                        head[i] = a * cos - b * sin;
+                        head[i + half] = b * cos + a * sin;
+                    }
+                }
+            });
+        Ok(())
+    }
+
+    // ---- attention over packed segments ------------------------------------------------
+
+    fn attention_forward(
+        &self,
+        out: &mut CpuBuf<T>,
+        lse: &mut CpuBuf<T>,
+        q: &CpuBuf<T>,
+        k: &CpuBuf<T>,
+        v: &CpuBuf<T>,
+        segments: &[Segment],
+        shape: AttnShape,
+    ) -> Result<()> {
+        const OP: &str = "attention_forward";
+        check_attn_shape(OP, &shape)?;
+        let AttnShape {
+            tokens,
+            q_heads,
+            kv_heads,
+            head_dim,
+            ..
+        } = shape;
+        let q = floats(OP, "q", q)?;
+        let k = floats(OP, "k", k)?;
+        let v = floats(OP, "v", v)?;
+        let out = floats_mut(OP, "out", out)?;
+        let lse = full_mut(OP, "lse", lse)?;
+        check_len(OP, "q", q.len(), tokens * q_heads * head_dim)?;
+        check_len(OP, "k", k.len(), tokens * kv_heads * head_dim)?;
+        check_len(OP, "v", v.len(), tokens * kv_heads * head_dim)?;
+        check_len(OP, "out", out.len(), tokens * q_heads * head_dim)?;
+        check_len(OP, "lse", lse.len(), tokens * q_heads)?;
+        let owner = attention::segment_of_tokens(OP, segments, tokens)?;
+        attention::forward(out, lse, q, k, v, &owner, segments, shape);
+        Ok(())
+    }
+
+    fn attention_backward(
+        &self,
+        dq: &mut CpuBuf<T>,
+        dk: &mut CpuBuf<T>,
+        dv: &mut CpuBuf<T>,
+        dout: &CpuBuf<T>,
+        out: &CpuBuf<T>,
+        lse: &CpuBuf<T>,
+        q: &CpuBuf<T>,
+        k: &CpuBuf<T>,
+        v: &CpuBuf<T>,
+        segments: &[Segment],
+        shape: AttnShape,
+    ) -> Result<()> {
+        const OP: &str = "attention_backward";
+        check_attn_shape(OP, &shape)?;
+        let AttnShape {
+            tokens,
+            q_heads,
+            kv_heads,
+            head_dim,
+            ..
+        } = shape;
+        let (q_len, kv_len) = (tokens * q_heads * head_dim, tokens * kv_heads * head_dim);
+        let dout = floats(OP, "dout", dout)?;
+        let out = floats(OP, "out", out)?;
+        let lse = full(OP, "lse", lse)?;
+        let q = floats(OP, "q", q)?;
+        let k = floats(OP, "k", k)?;
+        let v = floats(OP, "v", v)?;
+        let dq = floats_mut(OP, "dq", dq)?;
+        let dk = floats_mut(OP, "dk", dk)?;
+        let dv = floats_mut(OP, "dv", dv)?;
+        for (arg, len) in [("dout", dout.len()), ("out", out.len()), ("q", q.len())] {
+            check_len(OP, arg, len, q_len)?;
+        }
+        check_len(OP, "dq", dq.len(), q_len)?;
+        for (arg, len) in [("k", k.len()), ("v", v.len())] {
+            check_len(OP, arg, len, kv_len)?;
+        }
+        check_len(OP, "dk", dk.len(), kv_len)?;
+        check_len(OP, "dv", dv.len(), kv_len)?;
+        check_len(OP, "lse", lse.len(), tokens * q_heads)?;
+        attention::segment_of_tokens(OP, segments, tokens)?;
+        dq.fill(T::ZERO);
+        dk.fill(T::ZERO);
+        dv.fill(T::ZERO);
+        attention::backward(dq, dk, dv, dout, out, lse, q, k, v, segments, shape);
+        Ok(())
+    }
+
+    // ---- paged KV cache (sampling) -----------------------------------------------------
+
+    fn kv_cache_write(
+        &self,
+        k_cache: &mut CpuBuf<T>,
+        v_cache: &mut CpuBuf<T>,
+        k: &CpuBuf<T>,
+        v: &CpuBuf<T>,
+        slots: &CpuBuf<T>,
+        kv_heads: usize,
+        head_dim: usize,
+    ) -> Result<()> {
+        const OP: &str = "kv_cache_write";
+        let slots = indices(OP, "slots", slots)?;
+        let k = floats(OP, "k", k)?;
+        let v = floats(OP, "v", v)?;
+        let k_cache = floats_mut(OP, "k_cache", k_cache)?;
+        let v_cache = floats_mut(OP, "v_cache", v_cache)?;
+        let row = kv_heads * head_dim;
+        check_len(OP, "k", k.len(), slots.len() * row)?;
+        check_len(OP, "v", v.len(), slots.len() * row)?;
+        check_len(OP, "v_cache", v_cache.len(), k_cache.len())?;
+        if row == 0 || k_cache.len() % row != 0 {
+            return Err(Error::Shape {
+                op: OP,
+                msg: format!(
+                    "`k_cache` of {} elements is not whole slots of {row}",
+                    k_cache.len()
+                ),
+            });
+        }
+        check_ids(OP, "slots", slots, k_cache.len() / row)?;
+        for (t, &slot) in slots.iter().enumerate() {
+            let (src, dst) = (t * row..(t + 1) * row, slot as usize * row);
+            k_cache[dst..dst + row].copy_from_slice(&k[src.clone()]);
+            v_cache[dst..dst + row].copy_from_slice(&v[src]);
+        }
+        Ok(())
+    }
+
+    fn paged_attention(
+        &self,
+        out: &mut CpuBuf<T>,
+        q: &CpuBuf<T>,
+        k_cache: &CpuBuf<T>,
+        v_cache: &CpuBuf<T>,
+        layout: &PagedLayout<'_, Self>,
+        shape: AttnShape,
+    ) -> Result<()> {
+        const OP: &str = "paged_attention";
+        check_attn_shape(OP, &shape)?;
+        let AttnShape {
+            tokens,
+            q_heads,
+            kv_heads,
+            head_dim,
+            ..
+        } = shape;
+        let q = floats(OP, "q", q)?;
+        let k_cache = floats(OP, "k_cache", k_cache)?;
+        let v_cache = floats(OP, "v_cache", v_cache)?;
+        let out = floats_mut(OP, "out", out)?;
+        let block_tables = indices(OP, "block_tables", layout.block_tables)?;
+        let token_seq = indices(OP, "token_seq", layout.token_seq)?;
+        let token_pos = indices(OP, "token_pos", layout.token_pos)?;
+        check_len(OP, "q", q.len(), tokens * q_heads * head_dim)?;
+        check_len(OP, "out", out.len(), tokens * q_heads * head_dim)?;
+        check_len(OP, "token_seq", token_seq.len(), tokens)?;
+        check_len(OP, "token_pos", token_pos.len(), tokens)?;
+        check_len(OP, "v_cache", v_cache.len(), k_cache.len())?;
+        let block_elems = layout.block_size * kv_heads * head_dim;
+        if block_elems == 0 || k_cache.len() % block_elems != 0 {
+            return Err(Error::Shape {
+                op: OP,
+                msg: format!(
+                    "`k_cache` of {} elements is not whole blocks of {} slots × {kv_heads} heads × {head_dim}",
+                    k_cache.len(),
+                    layout.block_size
+                ),
+            });
+        }
+        if layout.max_blocks == 0 || block_tables.len() % layout.max_blocks != 0 {
+            return Err(Error::Shape {
+                op: OP,
+                msg: format!(
+                    "`block_tables` of {} entries is not whole rows of max_blocks {}",
+                    block_tables.len(),
+                    layout.max_blocks
+                ),
+            });
+        }
+        if let Some(t) = token_pos
+            .iter()
+            .position(|&p| p as usize >= layout.max_context)
+        {
+            return Err(Error::Shape {
+                op: OP,
+                msg: format!(
+                    "`token_pos[{t}]` = {} is not below max_context {}",
+                    token_pos[t], layout.max_context
+                ),
+            });
+        }
+        let index = attention::PagedIndex {
+            block_tables,
+            max_blocks: layout.max_blocks,
+            block_size: layout.block_size,
+            token_seq,
+            token_pos,
+            num_blocks: k_cache.len() / block_elems,
+        };
+        attention::paged(out, q, k_cache, v_cache, &index, shape)
+    }
+
+    // ---- SwiGLU ------------------------------------------------------------------------
+
+    fn swiglu_forward(&self, out: &mut CpuBuf<T>, gate: &CpuBuf<T>, up: &CpuBuf<T>) -> Result<()> {
+        const OP: &str = "swiglu_forward";
+        let gate = floats(OP, "gate", gate)?;
+        let up = floats(OP, "up", up)?;
+        let out = floats_mut(OP, "out", out)?;
+        check_len(OP, "up", up.len(), gate.len())?;
+        check_len(OP, "out", out.len(), gate.len())?;
+        out.par_iter_mut()
+            .zip(gate.par_iter().zip(up.par_iter()))
+            .for_each(|(o, (&g, &u))| *o = g / (T::ONE + (-g).exp()) * u);
+        Ok(())
+    }
+
+    fn swiglu_backward(
+        &self,
+        dgate: &mut CpuBuf<T>,
+        dup: &mut CpuBuf<T>,
+        dout: &CpuBuf<T>,
+        gate: &CpuBuf<T>,
+        up: &CpuBuf<T>,
+    ) -> Result<()> {
+        const OP: &str = "swiglu_backward";
+        let dout = floats(OP, "dout", dout)?;
+        let gate = floats(OP, "gate", gate)?;
+        let up = floats(OP, "up", up)?;
+        let dgate = floats_mut(OP, "dgate", dgate)?;
+        let dup = floats_mut(OP, "dup", dup)?;
+        let n = gate.len();
+        for (arg, len) in [("dout", dout.len()), ("up", up.len())] {
+            check_len(OP, arg, len, n)?;
+        }
+        check_len(OP, "dgate", dgate.len(), n)?;
+        check_len(OP, "dup", dup.len(), n)?;
+        // silu(g) = g σ(g), silu'(g) = σ(g) (1 + g (1 − σ(g))).
+        dgate
+            .par_iter_mut()
+            .zip(dup.par_iter_mut())
+            .zip(dout.par_iter().zip(gate.par_iter().zip(up.par_iter())))
+            .for_each(|((dg, du), (&d, (&g, &u)))| {
+                let sig = T::ONE / (T::ONE + (-g).exp());
+                *du = d * g * sig;
+                *dg = d * u * sig * (T::ONE + g * (T::ONE - sig));
+            });
+        Ok(())
+    }
+
+    // ---- fused lm-head -----------------------------------------------------------------
+
+    fn lm_head_forward(
+        &self,
+        logprobs: &mut CpuBuf<T>,
+        entropy: &mut CpuBuf<T>,
+        lse: &mut CpuBuf<T>,
+        hidden: &CpuBuf<T>,
+        w: &CpuBuf<T>,
+        targets: &CpuBuf<T>,
+        spec: LmHead,
+    ) -> Result<()> {
+        const OP: &str = "lm_head_forward";
+        check_lm_head(OP, &spec)?;
+        let hidden = floats(OP, "hidden", hidden)?;
+        let w = floats(OP, "w", w)?;
+        let targets = indices(OP, "targets", targets)?;
+        let logprobs = full_mut(OP, "logprobs", logprobs)?;
+        let entropy = full_mut(OP, "entropy", entropy)?;
+        let lse = full_mut(OP, "lse", lse)?;
+        check_len(OP, "hidden", hidden.len(), spec.tokens * spec.dim)?;
+        check_len(OP, "w", w.len(), spec.vocab * spec.dim)?;
+        check_len(OP, "targets", targets.len(), spec.tokens)?;
+        check_len(OP, "logprobs", logprobs.len(), spec.tokens)?;
+        check_len(OP, "entropy", entropy.len(), spec.tokens)?;
+        check_len(OP, "lse", lse.len(), spec.tokens)?;
+        check_ids(OP, "targets", targets, spec.vocab)?;
+        lm_head::forward(logprobs, entropy, lse, hidden, w, targets, spec);
+        Ok(())
+    }
+
+    fn lm_head_backward(
+        &self,
+        dhidden: &mut CpuBuf<T>,
+        dw: &mut CpuBuf<T>,
+        dlogprobs: &CpuBuf<T>,
+        dentropy: &CpuBuf<T>,
+        hidden: &CpuBuf<T>,
+        w: &CpuBuf<T>,
+        targets: &CpuBuf<T>,
+        lse: &CpuBuf<T>,
+        spec: LmHead,
+    ) -> Result<()> {
+        const OP: &str = "lm_head_backward";
+        check_lm_head(OP, &spec)?;
+        let dlogprobs = full(OP, "dlogprobs", dlogprobs)?;
+        let dentropy = full(OP, "dentropy", dentropy)?;
+        let hidden = floats(OP, "hidden", hidden)?;
+        let w = floats(OP, "w", w)?;
+        let targets = indices(OP, "targets", targets)?;
+        let lse = full(OP, "lse", lse)?;
+        let dhidden = floats_mut(OP, "dhidden", dhidden)?;
+        let dw = floats_mut(OP, "dw", dw)?;
+        check_len(OP, "hidden", hidden.len(), spec.tokens * spec.dim)?;
+        check_len(OP, "dhidden", dhidden.len(), spec.tokens * spec.dim)?;
+        check_len(OP, "w", w.len(), spec.vocab * spec.dim)?;
+        check_len(OP, "dw", dw.len(), spec.vocab * spec.dim)?;
+        for (arg, len) in [
+            ("dlogprobs", dlogprobs.len()),
+            ("dentropy", dentropy.len()),
+            ("targets", targets.len()),
+            ("lse", lse.len()),
+        ] {
+            check_len(OP, arg, len, spec.tokens)?;
+        }
+        check_ids(OP, "targets", targets, spec.vocab)?;
+        lm_head::backward(
+            dhidden, dw, dlogprobs, dentropy, hidden, w, targets, lse, spec,
+        );
+        Ok(())
+    }
+
+    // ---- sampling ----------------------------------------------------------------------
+
+    fn sample(
+        &self,
+        logits: &CpuBuf<T>,
+        vocab: usize,
+        rows: &[SamplingRow],
+    ) -> Result<Vec<Sampled>> {
+        const OP: &str = "sample";
+        let logits = floats(OP, "logits", logits)?;
+        check_len(OP, "logits", logits.len(), rows.len() * vocab)?;
+        if vocab == 0 {
+            return Err(Error::Shape {
+                op: OP,
+                msg: "vocab must be positive".into(),
+            });
+        }
+        Ok(logits
+            .par_chunks(vocab)
+            .zip(rows.par_iter())
+            .map(|(z, row)| {
+                let z: Vec<f32> = z.iter().map(|x| x.to_f32()).collect();
+                sampling::sample_row(&z, row)
+            })
+            .collect())
+    }
+
+    // ---- optimizer ---------------------------------------------------------------------
+
+    fn adamw(
+        &self,
+        param: &mut CpuBuf<T>,
+        grad: &CpuBuf<T>,
+        m: &mut CpuBuf<T>,
+        v: &mut CpuBuf<T>,
+        compute: Option<&mut CpuBuf<T>>,
+        hp: AdamW,
+    ) -> Result<()> {
+        const OP: &str = "adamw";
+        if hp.step == 0 {
+            return Err(Error::Shape {
+                op: OP,
+                msg: "`step` is 1-based; got 0".into(),
+            });
+        }
+        let grad = full(OP, "grad", grad)?;
+        let param = full_mut(OP, "param", param)?;
+        let m = full_mut(OP, "m", m)?;
+        let v = full_mut(OP, "v", v)?;
+        let n = param.len();
+        check_len(OP, "grad", grad.len(), n)?;
+        check_len(OP, "m", m.len(), n)?;
+        check_len(OP, "v", v.len(), n)?;
+        let compute = match compute {
+            Some(c) => {
+                let c = floats_mut(OP, "compute", c)?;
+                check_len(OP, "compute", c.len(), n)?;
+                Some(c)
+            }
+            None => None,
+        };
+        let f = |x: f32| T::from_f32(x);
+        let (b1, b2) = (f(hp.beta1), f(hp.beta2));
+        let step = i32::try_from(hp.step).unwrap_or(i32::MAX);
+        let bc1 = T::ONE - b1.powi(step);
+        let bc2 = T::ONE - b2.powi(step);
+        let (lr, eps, decay, gscale) = (f(hp.lr), f(hp.eps), f(hp.weight_decay), f(hp.grad_scale));
+        param
+            .par_iter_mut()
+            .zip(m.par_iter_mut().zip(v.par_iter_mut()))
+            .zip(grad.par_iter())
+            .for_each(|((p, (m, v)), &g)| {
+                let g = g * gscale;
+                *m = b1 * *m + (T::ONE - b1) * g;
+                *v = b2 * *v + (T::ONE - b2) * g * g;
+                let update = (*m / bc1) / ((*v / bc2).sqrt() + eps);
+                *p = *p - lr * decay * *p - lr * update;
+            });
+        if let Some(compute) = compute {
+            compute.copy_from_slice(param);
+        }
+        Ok(())
+    }
+}
