@@ -1,0 +1,1023 @@
+//! Continuous batching over a paged KV cache.
+//!
+//! A [`Sampler`] keeps a queue of [`SampleRequest`]s (a prompt and `n` samples each)
+//! and advances every admitted sequence by one [`Sampler::step`]: one model call over a
+//! packed list of tokens in which running sequences decode one token each and
+//! prefilling sequences contribute chunks of their prompt, all under
+//! `max_tokens_per_step`. New requests are admitted first-come first-served while KV
+//! blocks, the sequence limit and the step's token budget allow. Finished samples are
+//! handed to a callback the moment they finish, so scoring can start while the rest
+//! still generate; [`Sampler::generate`] wraps it all into a blocking call.
+//!
+//! # Prefix sharing
+//! The samples of one request share the KV blocks of their prompt's full blocks: a
+//! prefill-only sequence computes them once, and each sample then recomputes only the
+//! prompt's last partial block (between 1 and `block_size` tokens) in a block of its own
+//! before decoding (see [`crate::kv_blocks`]).
+//!
+//! # Determinism
+//! Each sample draws token `i` with `(seed, offset = i)` from the backend's
+//! counter-based generator ([`floe_backend::SamplingRow`]), where the seed depends only
+//! on the request's `seed` and the sample's index. A sample's tokens therefore do not
+//! depend on what else is in the batch, on chunking or on preemption, as long as the
+//! model's logits for a row do not (exactly true on the CPU backend).
+//!
+//! # Running out of blocks
+//! Admission reserves the blocks a sequence needs for its prompt; decoding grows tables
+//! a block at a time. When a decoding sequence needs a block and none is free, the most
+//! recently admitted sample is preempted: its blocks are freed and it goes back to the
+//! front of the queue with its tokens so far, to be recomputed by prefill when blocks
+//! free up (vLLM's recompute preemption). Because [`Sampler::submit`] rejects any request
+//! whose single sample could not fit the whole cache, the oldest sequence always makes
+//! progress.
+
+use std::collections::{HashMap, VecDeque};
+use std::time::{Duration, Instant};
+
+use floe_backend::{Backend, SamplingRow};
+pub use floe_model::decode::CachedInput;
+use floe_model::decode::KvCache;
+use floe_model::transformer::{ModelError, Transformer};
+
+use crate::kv_blocks::{BlockManager, BlockTable};
+use crate::stop::{Stop, StopConditions, StopReason};
+
+/// A model that runs a packed list of new tokens against a paged KV cache.
+///
+/// `forward_cached` writes the keys and values of every token of `input` at its slot
+/// (all of them, in every layer, before any attention of that layer reads the cache),
+/// then attends each token over its sequence's cached positions, and returns the
+/// Compute logits `[input.logit_rows.len(), vocab_size]`.
+pub trait CachedModel {
+    /// The device the model runs on.
+    type Backend: Backend;
+    /// The per-layer key/value caches.
+    type Cache;
+    /// What a forward can fail with.
+    type Error: std::error::Error + Send + Sync + 'static;
+
+    /// The backend, used to sample from the returned logits.
+    fn backend(&self) -> &Self::Backend;
+    /// Rows of the logits.
+    fn vocab_size(&self) -> usize;
+    /// A cache of `num_blocks` blocks of `block_size` token slots.
+    fn new_cache(&self, num_blocks: usize, block_size: usize) -> Result<Self::Cache, Self::Error>;
+    /// One cached forward; see the trait docs.
+    fn forward_cached(
+        &self,
+        cache: &mut Self::Cache,
+        input: &CachedInput,
+    ) -> Result<<Self::Backend as Backend>::Buf, Self::Error>;
+}
+
+/// How to sample one request.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SamplingParams {
+    /// Softmax temperature; 0 means greedy.
+    pub temperature: f32,
+    /// Nucleus threshold; 1.0 disables.
+    pub top_p: f32,
+    /// Keep the `top_k` most likely tokens; 0 or less disables.
+    pub top_k: i32,
+    /// Drop tokens below `min_p ×` the top probability; 0 disables.
+    pub min_p: f32,
+    /// Most tokens to generate per sample.
+    pub max_new_tokens: usize,
+    /// Token ids that end a sample (the stop token is kept as its last token).
+    pub stop_token_ids: Vec<u32>,
+    /// Strings that end a sample when they appear in its detokenized text.
+    pub stop_strings: Vec<String>,
+    /// Seed of the request's random streams; `None` derives one from the sampler's seed
+    /// and the submission order (reproducible only for the same sequence of submissions).
+    pub seed: Option<u64>,
+    /// Return each token's log-probability.
+    pub logprobs: bool,
+    /// Ignore stop tokens and strings and always generate `max_new_tokens` (benchmarks).
+    pub force_full_length: bool,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        Self {
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: 0,
+            min_p: 0.0,
+            max_new_tokens: 256,
+            stop_token_ids: Vec::new(),
+            stop_strings: Vec::new(),
+            seed: None,
+            logprobs: true,
+            force_full_length: false,
+        }
+    }
+}
+
+/// A prompt to complete `n` times.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SampleRequest {
+    /// Caller's id, echoed in each [`Generation`].
+    pub id: u64,
+    /// Prompt token ids (at least one).
+    pub prompt: Vec<u32>,
+    /// Number of independent samples.
+    pub n: usize,
+    /// Sampling parameters shared by the samples.
+    pub params: SamplingParams,
+}
+
+/// One finished sample.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Generation {
+    /// The request's id.
+    pub request_id: u64,
+    /// Which of the request's `n` samples.
+    pub sample_index: usize,
+    /// Generated tokens, including a stop token or the tokens of a stop string.
+    pub tokens: Vec<u32>,
+    /// Log-probability of each generated token (see [`floe_backend::Sampled`]); empty
+    /// when the request did not ask for log-probs.
+    pub logprobs: Vec<f32>,
+    /// Why it finished.
+    pub stop_reason: StopReason,
+    /// The detokenized text, cut before the matched stop string; present only for
+    /// requests with stop strings (the only case where the sampler detokenizes).
+    pub text: Option<String>,
+}
+
+/// Sizes and limits of a [`Sampler`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct SamplerConfig {
+    /// KV blocks in the cache.
+    pub num_blocks: usize,
+    /// Token slots per block.
+    pub block_size: usize,
+    /// Most tokens (decode plus prefill) in one model call.
+    pub max_tokens_per_step: usize,
+    /// Most samples running at once.
+    pub max_running_seqs: usize,
+    /// Seed for requests that bring none.
+    pub seed: u64,
+}
+
+impl Default for SamplerConfig {
+    fn default() -> Self {
+        Self {
+            num_blocks: 1024,
+            block_size: 16,
+            max_tokens_per_step: 2048,
+            max_running_seqs: 256,
+            seed: 0,
+        }
+    }
+}
+
+/// Counters of the work done since the sampler was built or [`Sampler::reset_stats`].
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct SamplerStats {
+    /// Model calls.
+    pub steps: u64,
+    /// Tokens run as prefill: prompts (shared prefixes once), prompt tails, recomputes.
+    pub prefill_tokens: u64,
+    /// Tokens run as decode (one per running sample per step).
+    pub decode_tokens: u64,
+    /// Samples preempted for lack of blocks.
+    pub preemptions: u64,
+    /// Samples finished.
+    pub finished: u64,
+    /// Time in the model's forward and sampling.
+    pub model_time: Duration,
+    /// Time in [`Sampler::step`] overall (scheduling, model, stop checks, callbacks).
+    pub step_time: Duration,
+}
+
+/// Why sampling failed.
+#[derive(Debug, thiserror::Error)]
+pub enum SampleError {
+    /// A request can never be served as given.
+    #[error("sample request {id}: {reason}")]
+    InvalidRequest {
+        /// The request's id.
+        id: u64,
+        /// What is wrong and how to fix it.
+        reason: String,
+    },
+    /// [`Sampler::generate`] was called while submitted requests are unfinished.
+    #[error("the sampler has unfinished requests; finish them with `run` before `generate`")]
+    Busy,
+    /// A backend op failed.
+    #[error(transparent)]
+    Backend(#[from] floe_backend::Error),
+    /// The model's forward failed.
+    #[error("cached forward failed: {0}")]
+    Model(Box<dyn std::error::Error + Send + Sync>),
+}
+
+/// Turns generated token ids into text, for stop strings.
+pub type Detokenizer = Box<dyn Fn(&[u32]) -> String + Send + Sync>;
+
+/// A request's data shared by its samples.
+struct RequestState {
+    id: u64,
+    n: usize,
+    /// Samples not yet finished; the state is dropped when it reaches zero.
+    unfinished: usize,
+    prompt: Vec<u32>,
+    params: SamplingParams,
+    stop: StopConditions,
+    seed: u64,
+}
+
+/// A sequence that samples: one of a request's `n`.
+struct SampleSeq {
+    /// Key of its request in `Sampler::requests`.
+    request: u64,
+    index: usize,
+    /// Prompt followed by the tokens generated so far.
+    tokens: Vec<u32>,
+    prompt_len: usize,
+    /// Leading tokens of `tokens` whose keys/values are in the cache.
+    computed: usize,
+    table: BlockTable,
+    logprobs: Vec<f32>,
+    /// Bytes of generated text already searched for stop strings.
+    searched_text: usize,
+    /// The shared prefix fill it waits for, if that has not finished.
+    waits_for: Option<u64>,
+}
+
+/// A prefill-only sequence computing the shared prompt blocks of a request's samples.
+struct PrefixFill {
+    key: u64,
+    tokens: Vec<u32>,
+    computed: usize,
+    table: BlockTable,
+    /// Samples still waiting for it; when none are left it is dropped.
+    dependents: usize,
+}
+
+enum Running {
+    Sample(SampleSeq),
+    Prefix(PrefixFill),
+}
+
+enum Waiting {
+    /// Samples `next..n` of a request, not yet started.
+    Request { key: u64, next: usize },
+    /// A preempted sample, to be recomputed from its tokens.
+    Preempted(SampleSeq),
+}
+
+/// One sequence's share of a step.
+struct Chunk {
+    /// Index into `Sampler::running`.
+    seq: usize,
+    start: usize,
+    len: usize,
+    /// A decode (the sample's one newly sampled token) rather than prefill.
+    decode: bool,
+    /// Index of its logits row, when the chunk ends at the sequence's last token.
+    logits_row: Option<usize>,
+}
+
+impl<B: Backend> CachedModel for Transformer<B> {
+    type Backend = B;
+    type Cache = KvCache<B>;
+    type Error = ModelError;
+
+    fn backend(&self) -> &B {
+        Transformer::backend(self)
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.config().vocab_size
+    }
+
+    fn new_cache(&self, num_blocks: usize, block_size: usize) -> Result<KvCache<B>, ModelError> {
+        self.new_kv_cache(num_blocks, block_size)
+    }
+
+    fn forward_cached(
+        &self,
+        cache: &mut KvCache<B>,
+        input: &CachedInput,
+    ) -> Result<B::Buf, ModelError> {
+        Transformer::forward_cached(self, cache, input)
+    }
+}
+
+/// Continuous-batching sampler over a [`CachedModel`]; see the module docs.
+///
+/// It owns the KV cache but not the model, so the same weights can be trained between
+/// calls. Nothing in the cache outlives a request, so weight updates need no
+/// invalidation.
+pub struct Sampler<M: CachedModel> {
+    config: SamplerConfig,
+    vocab: usize,
+    cache: M::Cache,
+    blocks: BlockManager,
+    detokenizer: Option<Detokenizer>,
+    requests: HashMap<u64, RequestState>,
+    waiting: VecDeque<Waiting>,
+    /// In admission order, so the newest is preempted first.
+    running: Vec<Running>,
+    next_key: u64,
+    stats: SamplerStats,
+}
+
+impl<M: CachedModel> Sampler<M> {
+    /// A sampler with a fresh cache for `model`.
+    pub fn new(model: &M, config: SamplerConfig) -> Result<Self, SampleError> {
+        assert!(config.block_size > 0, "block_size must be positive");
+        assert!(
+            config.max_tokens_per_step > 0,
+            "max_tokens_per_step must be positive"
+        );
+        assert!(
+            config.max_running_seqs > 0,
+            "max_running_seqs must be positive"
+        );
+        let cache = model
+            .new_cache(config.num_blocks, config.block_size)
+            .map_err(|e| SampleError::Model(Box::new(e)))?;
+        Ok(Self {
+            blocks: BlockManager::new(config.num_blocks, config.block_size),
+            vocab: model.vocab_size(),
+            cache,
+            config,
+            detokenizer: None,
+            requests: HashMap::new(),
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            next_key: 0,
+            stats: SamplerStats::default(),
+        })
+    }
+
+    /// Sets the detokenizer that stop strings are matched against.
+    pub fn with_detokenizer(mut self, detokenize: Detokenizer) -> Self {
+        self.detokenizer = Some(detokenize);
+        self
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &SamplerConfig {
+        &self.config
+    }
+
+    /// Work counters.
+    pub fn stats(&self) -> &SamplerStats {
+        &self.stats
+    }
+
+    /// Zeroes the work counters.
+    pub fn reset_stats(&mut self) {
+        self.stats = SamplerStats::default();
+    }
+
+    /// True while a submitted request has an unfinished sample.
+    pub fn has_unfinished(&self) -> bool {
+        !self.waiting.is_empty() || !self.running.is_empty()
+    }
+
+    /// Blocks of the KV cache not in use.
+    pub fn free_blocks(&self) -> usize {
+        self.blocks.num_free()
+    }
+
+    /// Queues `request` behind those already submitted, after checking it can be served.
+    pub fn submit(&mut self, request: SampleRequest) -> Result<(), SampleError> {
+        self.validate(&request)?;
+        let key = self.next_key;
+        self.next_key += 1;
+        let seed = request
+            .params
+            .seed
+            .unwrap_or_else(|| splitmix64(self.config.seed ^ splitmix64(key)));
+        self.requests.insert(
+            key,
+            RequestState {
+                id: request.id,
+                n: request.n,
+                unfinished: request.n,
+                stop: StopConditions::new(
+                    &request.params.stop_token_ids,
+                    &request.params.stop_strings,
+                ),
+                prompt: request.prompt,
+                params: request.params,
+                seed,
+            },
+        );
+        self.waiting.push_back(Waiting::Request { key, next: 0 });
+        Ok(())
+    }
+
+    fn validate(&self, request: &SampleRequest) -> Result<(), SampleError> {
+        let invalid = |reason: String| SampleError::InvalidRequest {
+            id: request.id,
+            reason,
+        };
+        let params = &request.params;
+        if request.prompt.is_empty() {
+            return Err(invalid(
+                "the prompt is empty; give at least one token".into(),
+            ));
+        }
+        if request.n == 0 {
+            return Err(invalid("n is 0; ask for at least one sample".into()));
+        }
+        if params.max_new_tokens == 0 {
+            return Err(invalid("max_new_tokens is 0".into()));
+        }
+        if let Some(&token) = request.prompt.iter().find(|&&t| t as usize >= self.vocab) {
+            return Err(invalid(format!(
+                "prompt token {token} is outside the vocabulary of {}",
+                self.vocab
+            )));
+        }
+        if !(params.temperature >= 0.0 && params.temperature.is_finite()) {
+            return Err(invalid(format!(
+                "temperature {} must be finite and non-negative",
+                params.temperature
+            )));
+        }
+        if !(params.top_p > 0.0 && params.top_p <= 1.0) {
+            return Err(invalid(format!("top_p {} must be in (0, 1]", params.top_p)));
+        }
+        if !(0.0..=1.0).contains(&params.min_p) {
+            return Err(invalid(format!("min_p {} must be in [0, 1]", params.min_p)));
+        }
+        if !params.stop_strings.is_empty() && self.detokenizer.is_none() {
+            return Err(invalid(
+                "stop strings need a detokenizer; build the sampler `with_detokenizer`".into(),
+            ));
+        }
+        // The last generated token is never fed back, so a sample occupies at most
+        // prompt + max_new_tokens - 1 positions.
+        let positions = request.prompt.len() + params.max_new_tokens - 1;
+        let needed = self.blocks.blocks_for(positions);
+        if needed > self.blocks.num_blocks() {
+            return Err(invalid(format!(
+                "a sample of up to {positions} tokens needs {needed} KV blocks but the cache \
+                 has {}; shorten the prompt or max_new_tokens, or enlarge the cache",
+                self.blocks.num_blocks()
+            )));
+        }
+        Ok(())
+    }
+
+    /// Submits `requests`, runs until all finish, and returns their samples in request
+    /// order, then sample order. The sampler must be idle.
+    pub fn generate(
+        &mut self,
+        model: &M,
+        requests: Vec<SampleRequest>,
+    ) -> Result<Vec<Generation>, SampleError> {
+        if self.has_unfinished() {
+            return Err(SampleError::Busy);
+        }
+        let first_key = self.next_key;
+        let mut slots: Vec<Vec<Option<Generation>>> = Vec::with_capacity(requests.len());
+        for request in requests {
+            slots.push(vec![None; request.n]);
+            self.submit(request)?;
+        }
+        while self.has_unfinished() {
+            self.step_inner(model, &mut |key, generation| {
+                let index = generation.sample_index;
+                slots[(key - first_key) as usize][index] = Some(generation);
+            })?;
+        }
+        Ok(slots
+            .into_iter()
+            .flatten()
+            .map(|g| g.expect("every sample finishes"))
+            .collect())
+    }
+
+    /// Steps until every submitted request has finished, handing each sample to
+    /// `on_finish` as it finishes.
+    pub fn run(
+        &mut self,
+        model: &M,
+        on_finish: &mut dyn FnMut(Generation),
+    ) -> Result<(), SampleError> {
+        while self.has_unfinished() {
+            self.step(model, on_finish)?;
+        }
+        Ok(())
+    }
+
+    /// One scheduling round and model call; each sample that finishes goes to
+    /// `on_finish`. Does nothing when idle.
+    pub fn step(
+        &mut self,
+        model: &M,
+        on_finish: &mut dyn FnMut(Generation),
+    ) -> Result<(), SampleError> {
+        self.step_inner(model, &mut |_, generation| on_finish(generation))
+    }
+
+    fn step_inner(
+        &mut self,
+        model: &M,
+        emit: &mut dyn FnMut(u64, Generation),
+    ) -> Result<(), SampleError> {
+        if !self.has_unfinished() {
+            return Ok(());
+        }
+        let started = Instant::now();
+        let chunks = self.schedule();
+        assert!(
+            !chunks.is_empty(),
+            "scheduler stalled: {} waiting, {} running, {} free blocks",
+            self.waiting.len(),
+            self.running.len(),
+            self.blocks.num_free()
+        );
+
+        let input = self.build_input(&chunks);
+        let model_started = Instant::now();
+        let logits = model
+            .forward_cached(&mut self.cache, &input)
+            .map_err(|e| SampleError::Model(Box::new(e)))?;
+        let rows = self.sampling_rows(&chunks);
+        let sampled = model.backend().sample(&logits, self.vocab, &rows)?;
+        self.stats.model_time += model_started.elapsed();
+        self.stats.steps += 1;
+
+        let mut finished = Vec::new();
+        for chunk in &chunks {
+            match &mut self.running[chunk.seq] {
+                Running::Prefix(fill) => {
+                    fill.computed += chunk.len;
+                    self.stats.prefill_tokens += chunk.len as u64;
+                }
+                Running::Sample(seq) => {
+                    if chunk.decode {
+                        self.stats.decode_tokens += 1;
+                    } else {
+                        self.stats.prefill_tokens += chunk.len as u64;
+                    }
+                    seq.computed += chunk.len;
+                    if let Some(row) = chunk.logits_row {
+                        let request = &self.requests[&seq.request];
+                        if let Some(reason) =
+                            append_token(seq, request, sampled[row], self.detokenizer.as_ref())
+                        {
+                            finished.push((chunk.seq, reason));
+                        }
+                    }
+                }
+            }
+        }
+
+        // Unblock the samples of completed prefix fills, then drop the fills and the
+        // finished samples (highest index first, so lower indices stay valid).
+        let mut removals: Vec<usize> = finished.iter().map(|&(seq, _)| seq).collect();
+        for (index, running) in self.running.iter().enumerate() {
+            if let Running::Prefix(fill) = running {
+                if fill.computed == fill.tokens.len() {
+                    removals.push(index);
+                }
+            }
+        }
+        for &index in &removals {
+            if let Running::Prefix(fill) = &self.running[index] {
+                let key = fill.key;
+                for running in &mut self.running {
+                    if let Running::Sample(seq) = running {
+                        if seq.waits_for == Some(key) {
+                            seq.waits_for = None;
+                        }
+                    }
+                }
+            }
+        }
+        let mut reasons: HashMap<usize, (StopReason, Option<String>)> =
+            finished.into_iter().collect();
+        removals.sort_unstable_by(|a, b| b.cmp(a));
+        for index in removals {
+            match self.running.remove(index) {
+                Running::Prefix(mut fill) => self.blocks.release(&mut fill.table),
+                Running::Sample(mut seq) => {
+                    self.blocks.release(&mut seq.table);
+                    let (stop_reason, text) = reasons.remove(&index).expect("finished sample");
+                    let (key, generation) = self.finish(seq, stop_reason, text);
+                    emit(key, generation);
+                }
+            }
+        }
+        self.stats.step_time += started.elapsed();
+        Ok(())
+    }
+
+    /// Picks this step's chunks: decodes, then prefill chunks of running sequences, then
+    /// newly admitted sequences, under the token budget.
+    fn schedule(&mut self) -> Vec<Chunk> {
+        let mut budget = self.config.max_tokens_per_step;
+        let mut chunks = Vec::new();
+
+        // Decodes, oldest first; a sequence that needs a block may preempt newer ones.
+        let mut index = 0;
+        while index < self.running.len() && budget > 0 {
+            let needs_block = match &self.running[index] {
+                Running::Sample(seq) if seq.waits_for.is_none() && seq.is_decoding() => {
+                    Some(seq.tokens.len())
+                }
+                _ => None,
+            };
+            if let Some(tokens) = needs_block {
+                if self.grow_or_preempt(index, tokens) {
+                    let Running::Sample(seq) = &self.running[index] else {
+                        unreachable!("checked above")
+                    };
+                    chunks.push(Chunk {
+                        seq: index,
+                        start: seq.computed,
+                        len: 1,
+                        decode: true,
+                        logits_row: None,
+                    });
+                    budget -= 1;
+                } else {
+                    // It preempted itself, and it was the newest: nothing follows.
+                    break;
+                }
+            }
+            index += 1;
+        }
+
+        // Prefill chunks of sequences already running (their blocks were reserved at
+        // admission).
+        for (index, running) in self.running.iter().enumerate() {
+            if budget == 0 {
+                break;
+            }
+            let pending = match running {
+                Running::Prefix(fill) => fill.tokens.len() - fill.computed,
+                Running::Sample(seq) if seq.waits_for.is_none() && !seq.is_decoding() => {
+                    seq.tokens.len() - seq.computed
+                }
+                _ => 0,
+            };
+            if pending > 0 {
+                let start = match running {
+                    Running::Prefix(fill) => fill.computed,
+                    Running::Sample(seq) => seq.computed,
+                };
+                let len = pending.min(budget);
+                chunks.push(Chunk {
+                    seq: index,
+                    start,
+                    len,
+                    decode: false,
+                    logits_row: None,
+                });
+                budget -= len;
+            }
+        }
+
+        // Admission, first come first served: stop at the first that does not fit.
+        while budget > 0 {
+            let first_new = self.running.len();
+            if !self.admit_front() {
+                break;
+            }
+            for index in first_new..self.running.len() {
+                let pending = match &self.running[index] {
+                    Running::Prefix(fill) => fill.tokens.len(),
+                    Running::Sample(seq) if seq.waits_for.is_none() => seq.tokens.len(),
+                    Running::Sample(_) => 0,
+                };
+                if budget == 0 || pending == 0 {
+                    continue;
+                }
+                let len = pending.min(budget);
+                chunks.push(Chunk {
+                    seq: index,
+                    start: 0,
+                    len,
+                    decode: false,
+                    logits_row: None,
+                });
+                budget -= len;
+            }
+        }
+
+        // A sample's chunk yields logits when it reaches its last token.
+        let mut rows = 0;
+        for chunk in &mut chunks {
+            if let Running::Sample(seq) = &self.running[chunk.seq] {
+                if chunk.start + chunk.len == seq.tokens.len() {
+                    chunk.logits_row = Some(rows);
+                    rows += 1;
+                }
+            }
+        }
+        chunks
+    }
+
+    /// Makes the sample at `index` cover `tokens` positions, preempting the newest
+    /// samples while blocks are short. False when it had to preempt itself.
+    fn grow_or_preempt(&mut self, index: usize, tokens: usize) -> bool {
+        loop {
+            let Running::Sample(seq) = &mut self.running[index] else {
+                unreachable!("only samples grow")
+            };
+            if self.blocks.grow(&mut seq.table, tokens).is_ok() {
+                return true;
+            }
+            let victim = self
+                .running
+                .iter()
+                .rposition(|r| matches!(r, Running::Sample(_)))
+                .expect("the growing sample itself is a candidate");
+            self.preempt(victim);
+            if victim == index {
+                return false;
+            }
+        }
+    }
+
+    /// Frees the sample at `index` and queues it for recomputation, ahead of everything
+    /// not yet admitted. A prefix fill left without dependents is dropped too.
+    fn preempt(&mut self, index: usize) {
+        let Running::Sample(mut seq) = self.running.remove(index) else {
+            unreachable!("only samples are preempted")
+        };
+        self.blocks.release(&mut seq.table);
+        seq.computed = 0;
+        if let Some(key) = seq.waits_for.take() {
+            let position = self
+                .running
+                .iter()
+                .position(|r| matches!(r, Running::Prefix(f) if f.key == key))
+                .expect("a waiting sample's prefix fill is running");
+            let Running::Prefix(fill) = &mut self.running[position] else {
+                unreachable!()
+            };
+            fill.dependents -= 1;
+            if fill.dependents == 0 {
+                let Running::Prefix(mut fill) = self.running.remove(position) else {
+                    unreachable!()
+                };
+                self.blocks.release(&mut fill.table);
+            }
+        }
+        self.stats.preemptions += 1;
+        self.waiting.push_front(Waiting::Preempted(seq));
+    }
+
+    /// Admits as much of the front of the queue as blocks and the sequence limit allow.
+    /// False when nothing could be admitted.
+    fn admit_front(&mut self) -> bool {
+        let running_samples = self
+            .running
+            .iter()
+            .filter(|r| matches!(r, Running::Sample(_)))
+            .count();
+        let seq_room = self.config.max_running_seqs.saturating_sub(running_samples);
+        if seq_room == 0 {
+            return false;
+        }
+        match self.waiting.pop_front() {
+            None => false,
+            Some(Waiting::Preempted(mut seq)) => {
+                if self.blocks.grow(&mut seq.table, seq.tokens.len()).is_err() {
+                    self.waiting.push_front(Waiting::Preempted(seq));
+                    return false;
+                }
+                self.running.push(Running::Sample(seq));
+                true
+            }
+            Some(Waiting::Request { key, next }) => {
+                let admitted = self.admit_samples(key, next, seq_room);
+                if next + admitted < self.requests[&key].n {
+                    self.waiting.push_front(Waiting::Request {
+                        key,
+                        next: next + admitted,
+                    });
+                }
+                admitted > 0
+            }
+        }
+    }
+
+    /// Starts up to `seq_room` samples of request `key` from sample `first`, sharing the
+    /// prompt's full blocks when two or more start together. Returns how many started.
+    fn admit_samples(&mut self, key: u64, first: usize, seq_room: usize) -> usize {
+        let request = &self.requests[&key];
+        let prompt_len = request.prompt.len();
+        let remaining = (request.n - first).min(seq_room);
+        let block_size = self.blocks.block_size();
+        let free = self.blocks.num_free();
+        // Leave at least one prompt token to each sample, for its own first logits.
+        let shared_blocks = (prompt_len - 1) / block_size;
+        let own_blocks_shared = self.blocks.blocks_for(prompt_len) - shared_blocks;
+        let sharing_fits = free
+            .checked_sub(shared_blocks)
+            .map_or(0, |left| left / own_blocks_shared);
+        let share = shared_blocks > 0 && remaining.min(sharing_fits) >= 2;
+        let count = if share {
+            remaining.min(sharing_fits)
+        } else {
+            remaining.min(free / self.blocks.blocks_for(prompt_len))
+        };
+        if count == 0 {
+            return 0;
+        }
+
+        let prompt = request.prompt.clone();
+        let fill = share.then(|| {
+            let mut table = BlockTable::default();
+            self.blocks
+                .grow(&mut table, shared_blocks * block_size)
+                .expect("counted above");
+            PrefixFill {
+                key,
+                tokens: prompt[..shared_blocks * block_size].to_vec(),
+                computed: 0,
+                table,
+                dependents: count,
+            }
+        });
+        let mut samples = Vec::with_capacity(count);
+        for index in first..first + count {
+            let (mut table, computed, waits_for) = match &fill {
+                Some(fill) => (
+                    self.blocks.share_prefix(&fill.table, shared_blocks),
+                    fill.tokens.len(),
+                    Some(key),
+                ),
+                None => (BlockTable::default(), 0, None),
+            };
+            self.blocks
+                .grow(&mut table, prompt_len)
+                .expect("counted above");
+            samples.push(SampleSeq {
+                request: key,
+                index,
+                tokens: prompt.clone(),
+                prompt_len,
+                computed,
+                table,
+                logprobs: Vec::new(),
+                searched_text: 0,
+                waits_for,
+            });
+        }
+        if let Some(fill) = fill {
+            self.running.push(Running::Prefix(fill));
+        }
+        self.running
+            .extend(samples.into_iter().map(Running::Sample));
+        count
+    }
+
+    /// The flat model input of `chunks`.
+    fn build_input(&self, chunks: &[Chunk]) -> CachedInput {
+        let tables: Vec<(&[u32], &[u32])> = chunks
+            .iter()
+            .map(|chunk| match &self.running[chunk.seq] {
+                Running::Prefix(fill) => (fill.table.blocks(), &fill.tokens[..]),
+                Running::Sample(seq) => (seq.table.blocks(), &seq.tokens[..]),
+            })
+            .collect();
+        let max_blocks = tables.iter().map(|(t, _)| t.len()).max().unwrap_or(0);
+        let mut input = CachedInput {
+            max_blocks,
+            block_tables: vec![0; chunks.len() * max_blocks],
+            ..CachedInput::default()
+        };
+        for (row, (chunk, (blocks, tokens))) in chunks.iter().zip(&tables).enumerate() {
+            input.block_tables[row * max_blocks..][..blocks.len()].copy_from_slice(blocks);
+            for pos in chunk.start..chunk.start + chunk.len {
+                input.tokens.push(tokens[pos]);
+                input.token_seq.push(row as u32);
+                input.token_pos.push(pos as u32);
+                let block = blocks[pos / self.config.block_size] as usize;
+                input
+                    .slots
+                    .push((block * self.config.block_size + pos % self.config.block_size) as u32);
+            }
+            if chunk.logits_row.is_some() {
+                input.logit_rows.push(input.tokens.len() as u32 - 1);
+            }
+        }
+        input
+    }
+
+    /// The sampling parameters of each logits row, in row order.
+    fn sampling_rows(&self, chunks: &[Chunk]) -> Vec<SamplingRow> {
+        chunks
+            .iter()
+            .filter(|chunk| chunk.logits_row.is_some())
+            .map(|chunk| {
+                let Running::Sample(seq) = &self.running[chunk.seq] else {
+                    unreachable!("only samples have logits rows")
+                };
+                let request = &self.requests[&seq.request];
+                let params = &request.params;
+                SamplingRow {
+                    temperature: params.temperature,
+                    top_k: params.top_k,
+                    top_p: params.top_p,
+                    min_p: params.min_p,
+                    seed: sample_seed(request.seed, seq.index),
+                    offset: (seq.tokens.len() - seq.prompt_len) as u64,
+                }
+            })
+            .collect()
+    }
+
+    /// Turns a finished sample into its [`Generation`], forgetting the request after
+    /// its last sample.
+    fn finish(
+        &mut self,
+        seq: SampleSeq,
+        stop_reason: StopReason,
+        text: Option<String>,
+    ) -> (u64, Generation) {
+        self.stats.finished += 1;
+        let request = self.requests.get_mut(&seq.request).expect("live request");
+        let generation = Generation {
+            request_id: request.id,
+            sample_index: seq.index,
+            tokens: seq.tokens[seq.prompt_len..].to_vec(),
+            logprobs: seq.logprobs,
+            stop_reason,
+            text,
+        };
+        request.unfinished -= 1;
+        if request.unfinished == 0 {
+            self.requests.remove(&seq.request);
+        }
+        (seq.request, generation)
+    }
+}
+
+impl SampleSeq {
+    /// True when the only uncomputed token is the last one sampled.
+    fn is_decoding(&self) -> bool {
+        self.tokens.len() > self.prompt_len && self.computed + 1 == self.tokens.len()
+    }
+}
+
+/// Appends a sampled token to `seq` and checks its stop conditions; the reason and the
+/// (stop-string) text when it finished.
+fn append_token(
+    seq: &mut SampleSeq,
+    request: &RequestState,
+    sampled: floe_backend::Sampled,
+    detokenizer: Option<&Detokenizer>,
+) -> Option<(StopReason, Option<String>)> {
+    seq.tokens.push(sampled.token);
+    if request.params.logprobs {
+        seq.logprobs.push(sampled.logprob);
+    }
+    let generated = &seq.tokens[seq.prompt_len..];
+    let length_reached = generated.len() >= request.params.max_new_tokens;
+    if request.params.force_full_length {
+        return length_reached.then_some((StopReason::Length, None));
+    }
+    if request.stop.is_stop_token(sampled.token) {
+        let text = request
+            .stop
+            .has_strings()
+            .then(|| detokenize(detokenizer, generated));
+        return Some((StopReason::Stop(Stop::Token(sampled.token)), text));
+    }
+    let mut text = None;
+    if request.stop.has_strings() {
+        let full = detokenize(detokenizer, generated);
+        if let Some(found) = request.stop.find_string(&full, seq.searched_text) {
+            let stop = Stop::String(request.stop.strings()[found.index].clone());
+            return Some((
+                StopReason::Stop(stop),
+                Some(full[..found.start].to_string()),
+            ));
+        }
+        seq.searched_text = full.len();
+        text = Some(full);
+    }
+    length_reached.then_some((StopReason::Length, text))
+}
+
+fn detokenize(detokenizer: Option<&Detokenizer>, tokens: &[u32]) -> String {
+    detokenizer.expect("validated at submission")(tokens)
+}
+
+/// The seed of sample `index` of a request seeded `seed`.
+fn sample_seed(seed: u64, index: usize) -> u64 {
+    splitmix64(seed ^ splitmix64(index as u64 ^ 0x5bd1_e995))
+}
+
+/// SplitMix64's finalizer: a bijective mix of 64 bits.
+fn splitmix64(x: u64) -> u64 {
+    let mut z = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
