@@ -204,6 +204,22 @@ mod tests {
     }
 
     #[test]
+    fn estimator_names_and_verl_aliases() {
+        for (name, est) in [
+            ("k1", KlEstimator::K1),
+            ("kl", KlEstimator::K1),
+            ("abs", KlEstimator::Abs),
+            ("k2", KlEstimator::K2),
+            ("mse", KlEstimator::K2),
+            ("k3", KlEstimator::K3),
+            ("low_var_kl", KlEstimator::K3),
+        ] {
+            let parsed: KlEstimator = serde_json::from_str(&format!("\"{name}\"")).unwrap();
+            assert_eq!(parsed, est, "{name}");
+        }
+    }
+
+    #[test]
     fn masked_kl_is_zero_even_for_nan() {
         let kl = kl_per_token(
             KlEstimator::K3,

@@ -6,13 +6,14 @@
 //! - [`policy_loss`]: PPO clip (`regular`, `dual_clip`), `gspo`, `cispo`,
 //!   `importance_sampling`, `cross_entropy`; [`off_policy`]: masks and truncated importance
 //!   sampling against the sampler's log-probs.
-//! - [`reduction`]: `token_mean`, `sequence_mean`, `seq_mean_token_sum_norm` against
-//!   mini-batch totals; [`kl`]: k1/abs/k2/k3 as a loss or in the reward.
+//! - [`reduction`]: `token_mean`, `sequence_mean`, `seq_mean_token_sum_norm`,
+//!   `seq_mean_token_sum` against mini-batch totals; [`kl`]: k1/abs/k2/k3 as a loss or in the reward.
 //! - [`tinker`]: Tinker's `forward_backward` losses with sum semantics.
 //! - [`optim`]: LR schedules, grad-norm clipping; [`metrics`]: pass@k, summaries, metric names.
 //!
 //! How the trainer uses it, per optimizer step (mini-batch):
-//! 1. rewards → [`compute_advantages`] (per token) once per batch;
+//! 1. once per batch: optionally [`kl::apply_kl_in_reward`], then rewards →
+//!    [`compute_advantages`] (per token);
 //! 2. [`GlobalNorm::of_mini_batch`] over the whole mini-batch;
 //! 3. per micro-batch, the model's per-token log-probs and entropies →
 //!    [`compute_policy_loss`] → [`LossOutput`] with `loss`, `dlogprobs` (dL/dlogπ_t) and

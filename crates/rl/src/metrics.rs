@@ -82,9 +82,10 @@ pub mod names {
         format!("reward/avg_pass_at_{n}")
     }
 
-    /// `eval/<data_source>/<metric>`; `data_source = "all"` for the aggregate.
+    /// `eval/<data_source>/<metric>`; `data_source = "all"` for the aggregate. A `/` in the
+    /// data source (`openai/gsm8k`) becomes `_` so the key keeps three levels.
     pub fn eval(data_source: &str, metric: &str) -> String {
-        format!("eval/{data_source}/{metric}")
+        format!("eval/{}/{metric}", data_source.replace('/', "_"))
     }
 
     /// `pass_at_{k}`, the metric part of an eval key.
@@ -365,6 +366,10 @@ mod tests {
         assert_eq!(m[names::EVAL_ALL_AVG_SCORE], 0.25);
         assert_eq!(m["eval/all/pass_at_2"], 0.5);
         assert_eq!(m[names::EVAL_ALL_MEAN_POSITIVE_REWARD], 0.25);
+        assert_eq!(
+            names::eval("openai/gsm8k", "avg_score"),
+            "eval/openai_gsm8k/avg_score"
+        );
     }
 
     #[test]

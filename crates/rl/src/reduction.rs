@@ -24,6 +24,9 @@ pub enum LossReduction {
     /// Dr. GRPO: `w_t = 1/(B·L)` with a constant `L = max_seq_len`
     /// (verl `seq-mean-token-sum-norm`).
     SeqMeanTokenSumNorm,
+    /// Mean over sequences of each sequence's token sum: `w_t = 1/B` (verl
+    /// `seq-mean-token-sum`; no SkyRL preset, one of the two modes Arctic computes correctly).
+    SeqMeanTokenSum,
 }
 
 /// Mini-batch totals the reduction divides by; the same value is passed with every
@@ -76,6 +79,7 @@ pub fn token_weights(
                 let len = max_seq_len.expect("seq_mean_token_sum_norm requires max_seq_len");
                 safe_inv(b * len as f64)
             }
+            LossReduction::SeqMeanTokenSum => safe_inv(b),
         };
         for t in range {
             weights_t[t] = seq_weight * loss_mask[t];
@@ -117,6 +121,8 @@ mod tests {
             Some(5),
         );
         assert_eq!(w, vec![0.05, 0.05, 0.05, 0.0, 0.05]);
+        let w = token_weights(LossReduction::SeqMeanTokenSum, &mask, &[2, 3], &norm, None);
+        assert_eq!(w, vec![0.25, 0.25, 0.25, 0.0, 0.25]);
     }
 
     #[test]
@@ -140,6 +146,7 @@ mod tests {
                 "\"seq_mean_token_sum_norm\"",
                 LossReduction::SeqMeanTokenSumNorm,
             ),
+            ("\"seq_mean_token_sum\"", LossReduction::SeqMeanTokenSum),
         ] {
             assert_eq!(serde_json::from_str::<LossReduction>(name).unwrap(), r);
         }

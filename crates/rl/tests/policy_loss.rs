@@ -21,10 +21,11 @@ const LOSSES: [PolicyLoss; 6] = [
     PolicyLoss::ImportanceSampling,
     PolicyLoss::CrossEntropy,
 ];
-const REDUCTIONS: [LossReduction; 3] = [
+const REDUCTIONS: [LossReduction; 4] = [
     LossReduction::TokenMean,
     LossReduction::SequenceMean,
     LossReduction::SeqMeanTokenSumNorm,
+    LossReduction::SeqMeanTokenSum,
 ];
 
 fn config(loss: PolicyLoss, reduction: LossReduction) -> AlgorithmConfig {
