@@ -1,0 +1,239 @@
+//! The reference sampler: determinism, greedy limits, exact truncation supports and
+//! empirical frequencies, log-probabilities.
+
+use floe_backend::sampling::{mix64, sample_row, uniform};
+use floe_backend::SamplingRow;
+
+fn row(
+    temperature: f32,
+    top_k: i32,
+    top_p: f32,
+    min_p: f32,
+    seed: u64,
+    offset: u64,
+) -> SamplingRow {
+    SamplingRow {
+        temperature,
+        top_k,
+        top_p,
+        min_p,
+        seed,
+        offset,
+    }
+}
+
+/// Logits whose softmax is exactly `probs` (up to rounding).
+fn logits_of(probs: &[f64]) -> Vec<f32> {
+    probs.iter().map(|p| p.ln() as f32).collect()
+}
+
+fn log_softmax(logits: &[f32], t: f64) -> Vec<f64> {
+    let z: Vec<f64> = logits.iter().map(|&x| x as f64 / t).collect();
+    let m = z.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+    let lse = m + z.iter().map(|v| (v - m).exp()).sum::<f64>().ln();
+    z.iter().map(|v| v - lse).collect()
+}
+
+/// Draws `n` tokens at offsets `0..n` and returns the empirical frequency of each id.
+fn frequencies(logits: &[f32], r: SamplingRow, n: u64) -> Vec<f64> {
+    let mut counts = vec![0u64; logits.len()];
+    for offset in 0..n {
+        let s = sample_row(logits, &SamplingRow { offset, ..r });
+        counts[s.token as usize] += 1;
+    }
+    counts.iter().map(|&c| c as f64 / n as f64).collect()
+}
+
+/// Asserts every frequency is within 5 standard errors of `expected` (and zero where
+/// `expected` is zero: a truncated token must never be drawn).
+fn assert_frequencies(got: &[f64], expected: &[f64], n: u64) {
+    for (i, (&g, &e)) in got.iter().zip(expected).enumerate() {
+        if e == 0.0 {
+            assert_eq!(g, 0.0, "token {i} is outside the support but was drawn");
+        } else {
+            let se = (e * (1.0 - e) / n as f64).sqrt();
+            assert!((g - e).abs() < 5.0 * se + 1e-12, "token {i}: {g} vs {e}");
+        }
+    }
+}
+
+/// Renormalises `probs` over the ids in `support`.
+fn truncated(probs: &[f64], support: &[usize]) -> Vec<f64> {
+    let mass: f64 = support.iter().map(|&i| probs[i]).sum();
+    (0..probs.len())
+        .map(|i| {
+            if support.contains(&i) {
+                probs[i] / mass
+            } else {
+                0.0
+            }
+        })
+        .collect()
+}
+
+const PROBS: [f64; 6] = [0.05, 0.4, 0.1, 0.25, 0.15, 0.05];
+const N: u64 = 40_000;
+
+#[test]
+fn uniform_follows_the_documented_formula_and_is_uniform() {
+    // The formula in the docs, spelled out independently.
+    let gamma: u64 = 0x9E37_79B9_7F4A_7C15;
+    for (seed, offset) in [(0u64, 0u64), (42, 7), (u64::MAX, u64::MAX)] {
+        let bits = mix64(mix64(seed).wrapping_add(offset.wrapping_add(1).wrapping_mul(gamma)));
+        assert_eq!(
+            uniform(seed, offset),
+            (bits >> 11) as f64 / 9007199254740992.0
+        );
+    }
+    // splitmix64's known first output from state 0 is 0xE220A8397B1DCDAF.
+    assert_eq!(mix64(gamma), 0xE220_A839_7B1D_CDAF);
+    let draws: Vec<f64> = (0..100_000).map(|o| uniform(3, o)).collect();
+    assert!(draws.iter().all(|&u| (0.0..1.0).contains(&u)));
+    let mean = draws.iter().sum::<f64>() / draws.len() as f64;
+    assert!((mean - 0.5).abs() < 0.005, "mean {mean}");
+    let below_tenth = draws.iter().filter(|&&u| u < 0.1).count() as f64 / draws.len() as f64;
+    assert!((below_tenth - 0.1).abs() < 0.005, "{below_tenth}");
+    // Neighbouring seeds give unrelated streams.
+    assert_ne!(uniform(1, 0), uniform(2, 0));
+    assert_ne!(uniform(1, 1), uniform(2, 0));
+}
+
+#[test]
+fn same_seed_and_offset_give_the_same_token() {
+    let logits = logits_of(&PROBS);
+    let r = row(1.0, 0, 1.0, 0.0, 99, 5);
+    let first = sample_row(&logits, &r);
+    for _ in 0..10 {
+        assert_eq!(sample_row(&logits, &r), first);
+    }
+    let tokens: Vec<u32> = (0..64)
+        .map(|o| sample_row(&logits, &SamplingRow { offset: o, ..r }).token)
+        .collect();
+    let other: Vec<u32> = (0..64)
+        .map(|o| {
+            sample_row(
+                &logits,
+                &SamplingRow {
+                    offset: o,
+                    seed: 100,
+                    ..r
+                },
+            )
+            .token
+        })
+        .collect();
+    assert_ne!(tokens, other, "different seeds must give different streams");
+}
+
+#[test]
+fn greedy_takes_the_lowest_id_among_maxima_with_temperature_one_logprob() {
+    let logits = [0.5f32, 2.0, -1.0, 2.0, 1.0];
+    let s = sample_row(&logits, &row(0.0, 0, 1.0, 0.0, 1, 1));
+    assert_eq!(s.token, 1);
+    let expected = log_softmax(&logits, 1.0)[1];
+    assert!((s.logprob as f64 - expected).abs() < 1e-6);
+    // Truncation settings do not change greedy.
+    let s2 = sample_row(&logits, &row(0.0, 1, 0.1, 0.9, 1, 1));
+    assert_eq!(s2, s);
+}
+
+#[test]
+fn vanishing_temperature_equals_greedy() {
+    let logits: Vec<f32> = (0..50).map(|i| ((i * 37) % 53) as f32 * 0.1).collect();
+    let greedy = sample_row(&logits, &row(0.0, 0, 1.0, 0.0, 0, 0)).token;
+    for offset in 0..200 {
+        let s = sample_row(&logits, &row(1e-6, 0, 1.0, 0.0, 7, offset));
+        assert_eq!(s.token, greedy);
+        assert!(s.logprob.abs() < 1e-6, "all the mass is on the argmax");
+    }
+}
+
+#[test]
+fn logprob_is_under_the_tempered_distribution_before_truncation() {
+    let logits = logits_of(&PROBS);
+    for t in [0.5f32, 1.0, 2.0] {
+        let reference = log_softmax(&logits, t as f64);
+        for offset in 0..50 {
+            // Top-k 2 truncates, yet the log-prob is under the full tempered softmax.
+            let s = sample_row(&logits, &row(t, 2, 1.0, 0.0, 11, offset));
+            assert!((s.logprob as f64 - reference[s.token as usize]).abs() < 1e-6);
+        }
+    }
+}
+
+#[test]
+fn plain_sampling_matches_the_distribution() {
+    let logits = logits_of(&PROBS);
+    let got = frequencies(&logits, row(1.0, 0, 1.0, 0.0, 5, 0), N);
+    assert_frequencies(&got, &PROBS, N);
+    // Temperature 2 flattens: p ∝ sqrt(p).
+    let flat: Vec<f64> = PROBS.iter().map(|p| p.sqrt()).collect();
+    let total: f64 = flat.iter().sum();
+    let flat: Vec<f64> = flat.iter().map(|p| p / total).collect();
+    let got = frequencies(&logits, row(2.0, 0, 1.0, 0.0, 6, 0), N);
+    assert_frequencies(&got, &flat, N);
+}
+
+#[test]
+fn top_k_keeps_the_k_most_likely() {
+    let logits = logits_of(&PROBS);
+    let got = frequencies(&logits, row(1.0, 3, 1.0, 0.0, 8, 0), N);
+    assert_frequencies(&got, &truncated(&PROBS, &[1, 3, 4]), N);
+    let got = frequencies(&logits, row(1.0, 1, 1.0, 0.0, 8, 0), 1000);
+    assert_eq!(got[1], 1.0);
+    // k at least the vocabulary disables it.
+    let got = frequencies(&logits, row(1.0, 6, 1.0, 0.0, 8, 0), N);
+    assert_frequencies(&got, &PROBS, N);
+    // Ties with the k-th value are kept, as in transformers.
+    let tied = [1.0f32, 3.0, 2.0, 2.0, 0.0];
+    let got = frequencies(&tied, row(1.0, 2, 1.0, 0.0, 9, 0), 4000);
+    assert!(got[2] > 0.0 && got[3] > 0.0 && got[0] == 0.0 && got[4] == 0.0);
+}
+
+#[test]
+fn top_p_keeps_the_smallest_set_reaching_p() {
+    let logits = logits_of(&PROBS);
+    // Sorted: 0.4 (id 1), 0.25 (3), 0.15 (4), 0.1 (2), 0.05 (0), 0.05 (5).
+    // p = 0.6: 0.4 < 0.6 so id 3 is needed; 0.65 ≥ 0.6 stops before id 4.
+    let got = frequencies(&logits, row(1.0, 0, 0.6, 0.0, 10, 0), N);
+    assert_frequencies(&got, &truncated(&PROBS, &[1, 3]), N);
+    // p = 0.85: 0.8 < 0.85 needs id 2 as well.
+    let got = frequencies(&logits, row(1.0, 0, 0.85, 0.0, 10, 0), N);
+    assert_frequencies(&got, &truncated(&PROBS, &[1, 3, 4, 2]), N);
+    // A tiny p keeps the top token only.
+    let got = frequencies(&logits, row(1.0, 0, 0.01, 0.0, 10, 0), 1000);
+    assert_eq!(got[1], 1.0);
+    // After top-k 3 the renormalised masses are 0.5, 0.3125, 0.1875: p = 0.85 needs
+    // all three, p = 0.45 only the first.
+    let got = frequencies(&logits, row(1.0, 3, 0.85, 0.0, 12, 0), N);
+    assert_frequencies(&got, &truncated(&PROBS, &[1, 3, 4]), N);
+    let got = frequencies(&logits, row(1.0, 3, 0.45, 0.0, 12, 0), 1000);
+    assert_eq!(got[1], 1.0);
+}
+
+#[test]
+fn min_p_drops_tokens_below_a_fraction_of_the_top() {
+    let logits = logits_of(&PROBS);
+    // min_p 0.3 × 0.4 = 0.12: keeps 0.4, 0.25, 0.15.
+    let got = frequencies(&logits, row(1.0, 0, 1.0, 0.3, 13, 0), N);
+    assert_frequencies(&got, &truncated(&PROBS, &[1, 3, 4]), N);
+    // min_p 0.2 × 0.4 = 0.08: also 0.1.
+    let got = frequencies(&logits, row(1.0, 0, 1.0, 0.2, 13, 0), N);
+    assert_frequencies(&got, &truncated(&PROBS, &[1, 2, 3, 4]), N);
+    // Applied to the tempered distribution: at T = 0.5, p ∝ p², top 0.16; 0.3 × 0.16 =
+    // 0.048 keeps 0.0625 (id 3) but not 0.0225 (id 4).
+    let sq: Vec<f64> = PROBS.iter().map(|p| p * p).collect();
+    let got = frequencies(&logits, row(0.5, 0, 1.0, 0.3, 14, 0), N);
+    assert_frequencies(&got, &truncated(&sq, &[1, 3]), N);
+}
+
+#[test]
+fn nan_and_masked_logits_are_never_drawn() {
+    let logits = [f32::NAN, 1.0, f32::NEG_INFINITY, 1.0];
+    let got = frequencies(&logits, row(1.0, 0, 1.0, 0.0, 15, 0), 4000);
+    assert_eq!((got[0], got[2]), (0.0, 0.0));
+    assert!((got[1] - 0.5).abs() < 0.05);
+    let s = sample_row(&logits, &row(0.0, 0, 1.0, 0.0, 0, 0));
+    assert_eq!(s.token, 1);
+    assert!((s.logprob - 0.5f32.ln()).abs() < 1e-6);
+}
