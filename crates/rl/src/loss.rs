@@ -60,6 +60,28 @@ pub struct LossOutput {
 /// `norm` holds the totals of the whole mini-batch (one optimizer step), so summing the
 /// outputs of its micro-batches gives exactly the outputs of one call on the mini-batch.
 ///
+/// ```
+/// use floe_rl::{compute_policy_loss, AlgorithmConfig, GlobalNorm, LossInputs};
+///
+/// let config = AlgorithmConfig { use_kl_loss: false, ..AlgorithmConfig::default() };
+/// // Two sequences of 2 and 1 response tokens; first update, so logπ == logπ_old.
+/// let inputs = LossInputs {
+///     seq_lens: &[2, 1],
+///     logprobs: &[-1.0, -2.0, -0.5],
+///     old_logprobs: &[-1.0, -2.0, -0.5],
+///     advantages: &[1.0, 1.0, -1.0],
+///     loss_mask: &[1.0, 1.0, 1.0],
+///     entropies: None,
+///     ref_logprobs: None,
+///     rollout_logprobs: None,
+/// };
+/// let norm = GlobalNorm::of_mini_batch(inputs.loss_mask, inputs.seq_lens);
+/// let out = compute_policy_loss(&config, &inputs, &norm);
+/// // token_mean of −r·A with r = 1: (−1 − 1 + 1)/3; dL/dlogπ_t = −A_t/3.
+/// assert!((out.loss + 1.0 / 3.0).abs() < 1e-12);
+/// assert!((out.dlogprobs[2] - 1.0 / 3.0).abs() < 1e-12);
+/// ```
+///
 /// # Panics
 /// If a slice's length differs from `Σ seq_lens`, if `use_kl_loss` is set without
 /// `ref_logprobs`, or `entropy_coeff != 0` without `entropies`, or the config fails
