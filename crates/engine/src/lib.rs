@@ -28,7 +28,7 @@ pub use packing::{
     RolloutGroup, TokenRef,
 };
 pub use sampler::{
-    CachedInput, CachedModel, Detokenizer, Generation, SampleError, SampleRequest, Sampler,
-    SamplerConfig, SamplerStats, SamplingParams,
+    sample_seed, CachedInput, CachedModel, Detokenizer, Generation, SampleError, SampleRequest,
+    Sampler, SamplerConfig, SamplerStats, SamplingParams,
 };
 pub use stop::{Stop, StopConditions, StopReason};

@@ -965,8 +965,9 @@ impl SampleSeq {
     }
 }
 
-/// Appends a sampled token to `seq` and checks its stop conditions; the reason and the
-/// (stop-string) text when it finished.
+/// Appends a sampled token to `seq` and checks its stop conditions: the reason and, for
+/// requests with stop strings, the text (cut before a matched stop string) when it
+/// finished.
 fn append_token(
     seq: &mut SampleSeq,
     request: &RequestState,
@@ -978,39 +979,38 @@ fn append_token(
         seq.logprobs.push(sampled.logprob);
     }
     let generated = &seq.tokens[seq.prompt_len..];
-    let length_reached = generated.len() >= request.params.max_new_tokens;
-    if request.params.force_full_length {
-        return length_reached.then_some((StopReason::Length, None));
-    }
-    if request.stop.is_stop_token(sampled.token) {
-        let text = request
-            .stop
-            .has_strings()
-            .then(|| detokenize(detokenizer, generated));
-        return Some((StopReason::Stop(Stop::Token(sampled.token)), text));
-    }
-    let mut text = None;
-    if request.stop.has_strings() {
-        let full = detokenize(detokenizer, generated);
-        if let Some(found) = request.stop.find_string(&full, seq.searched_text) {
-            let stop = Stop::String(request.stop.strings()[found.index].clone());
-            return Some((
-                StopReason::Stop(stop),
-                Some(full[..found.start].to_string()),
-            ));
+    let stops = !request.params.force_full_length;
+    let reason = if stops && request.stop.is_stop_token(sampled.token) {
+        StopReason::Stop(Stop::Token(sampled.token))
+    } else {
+        if stops && request.stop.has_strings() {
+            let text = detokenize(detokenizer, generated);
+            if let Some(found) = request.stop.find_string(&text, seq.searched_text) {
+                let stop = Stop::String(request.stop.strings()[found.index].clone());
+                let cut = text[..found.start].to_string();
+                return Some((StopReason::Stop(stop), Some(cut)));
+            }
+            seq.searched_text = text.len();
         }
-        seq.searched_text = full.len();
-        text = Some(full);
-    }
-    length_reached.then_some((StopReason::Length, text))
+        if generated.len() < request.params.max_new_tokens {
+            return None;
+        }
+        StopReason::Length
+    };
+    let text = request
+        .stop
+        .has_strings()
+        .then(|| detokenize(detokenizer, generated));
+    Some((reason, text))
 }
 
 fn detokenize(detokenizer: Option<&Detokenizer>, tokens: &[u32]) -> String {
     detokenizer.expect("validated at submission")(tokens)
 }
 
-/// The seed of sample `index` of a request seeded `seed`.
-fn sample_seed(seed: u64, index: usize) -> u64 {
+/// The seed of the random stream of sample `index` of a request seeded `seed`: its
+/// token `i` is drawn with [`SamplingRow`] `{ seed: sample_seed(seed, index), offset: i }`.
+pub fn sample_seed(seed: u64, index: usize) -> u64 {
     splitmix64(seed ^ splitmix64(index as u64 ^ 0x5bd1_e995))
 }
 

@@ -1,0 +1,422 @@
+//! The sampler against a fake model whose logits are a hash of each token's whole
+//! context as read back from the paged cache: any slot-mapping, sharing or preemption
+//! mistake changes the tokens, and reading a slot that does not hold the expected
+//! position is an error.
+
+use std::cell::Cell;
+
+use floe_backend::cpu::CpuBackend;
+use floe_backend::{Backend, BufKind, SamplingRow};
+use floe_engine::{
+    sample_seed, CachedInput, CachedModel, Generation, SampleError, SampleRequest, Sampler,
+    SamplerConfig, SamplingParams, Stop, StopReason,
+};
+
+const VOCAB: usize = 64;
+const ALPHABET: &[u8; VOCAB] = b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 .";
+
+#[derive(Debug)]
+struct FakeError(String);
+
+impl std::fmt::Display for FakeError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for FakeError {}
+
+/// Per slot: the `(token, position)` written there.
+struct SlotCache {
+    block_size: usize,
+    slots: Vec<Option<(u32, u32)>>,
+}
+
+/// Logits of a context: a hash of every token, spread over the vocabulary.
+fn context_logits(context: &[u32]) -> Vec<f32> {
+    let hash = context
+        .iter()
+        .fold(0xcbf2_9ce4_8422_2325u64, |h, &t| mix(h ^ u64::from(t)));
+    (0..VOCAB as u64)
+        .map(|v| 4.0 * (mix(hash ^ v.wrapping_mul(0x9e37_79b9)) >> 40) as f32 / (1u64 << 24) as f32)
+        .collect()
+}
+
+fn mix(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+#[derive(Default)]
+struct ContextHashModel {
+    backend: CpuBackend,
+    calls: Cell<usize>,
+    tokens_run: Cell<usize>,
+    most_tokens_in_a_call: Cell<usize>,
+    most_sequences_in_a_call: Cell<usize>,
+}
+
+impl CachedModel for ContextHashModel {
+    type Backend = CpuBackend;
+    type Cache = SlotCache;
+    type Error = FakeError;
+
+    fn backend(&self) -> &CpuBackend {
+        &self.backend
+    }
+
+    fn vocab_size(&self) -> usize {
+        VOCAB
+    }
+
+    fn new_cache(&self, num_blocks: usize, block_size: usize) -> Result<SlotCache, FakeError> {
+        Ok(SlotCache {
+            block_size,
+            slots: vec![None; num_blocks * block_size],
+        })
+    }
+
+    fn forward_cached(
+        &self,
+        cache: &mut SlotCache,
+        input: &CachedInput,
+    ) -> Result<<CpuBackend as Backend>::Buf, FakeError> {
+        let bs = cache.block_size;
+        let slot_of = |seq: u32, pos: u32| {
+            let block = input.block_tables[seq as usize * input.max_blocks + pos as usize / bs];
+            block as usize * bs + pos as usize % bs
+        };
+        let t = input.tokens.len();
+        assert!(t > 0 && input.token_seq.len() == t && input.token_pos.len() == t);
+        assert_eq!(input.slots.len(), t);
+        for i in 0..t {
+            let expected = slot_of(input.token_seq[i], input.token_pos[i]);
+            if input.slots[i] as usize != expected {
+                return Err(FakeError(format!(
+                    "token {i}: slot {} but the block table says {expected}",
+                    input.slots[i]
+                )));
+            }
+            cache.slots[expected] = Some((input.tokens[i], input.token_pos[i]));
+        }
+        let mut logits = Vec::with_capacity(input.logit_rows.len() * VOCAB);
+        for &row in &input.logit_rows {
+            let (seq, pos) = (input.token_seq[row as usize], input.token_pos[row as usize]);
+            let mut context = Vec::with_capacity(pos as usize + 1);
+            for p in 0..=pos {
+                match cache.slots[slot_of(seq, p)] {
+                    Some((token, at)) if at == p => context.push(token),
+                    held => {
+                        return Err(FakeError(format!(
+                            "sequence {seq} position {p}: slot holds {held:?}"
+                        )))
+                    }
+                }
+            }
+            logits.extend(context_logits(&context));
+        }
+        self.calls.set(self.calls.get() + 1);
+        self.tokens_run.set(self.tokens_run.get() + t);
+        self.most_tokens_in_a_call
+            .set(self.most_tokens_in_a_call.get().max(t));
+        self.most_sequences_in_a_call.set(
+            self.most_sequences_in_a_call
+                .get()
+                .max(input.block_tables.len() / input.max_blocks.max(1)),
+        );
+        Ok(self.backend.upload(&logits, BufKind::Compute).unwrap())
+    }
+}
+
+fn detokenize(tokens: &[u32]) -> String {
+    tokens
+        .iter()
+        .map(|&t| ALPHABET[t as usize] as char)
+        .collect()
+}
+
+/// The samples of `request` computed one token at a time from whole contexts, with the
+/// stop rules the sampler documents.
+fn reference(request: &SampleRequest) -> Vec<Generation> {
+    let backend = CpuBackend::<f32>::new();
+    let p = &request.params;
+    (0..request.n)
+        .map(|index| {
+            let mut tokens = request.prompt.clone();
+            let mut logprobs = Vec::new();
+            let stop_reason = loop {
+                let logits = backend
+                    .upload(&context_logits(&tokens), BufKind::Compute)
+                    .unwrap();
+                let generated = tokens.len() - request.prompt.len();
+                let row = SamplingRow {
+                    temperature: p.temperature,
+                    top_k: p.top_k,
+                    top_p: p.top_p,
+                    min_p: p.min_p,
+                    seed: sample_seed(p.seed.unwrap(), index),
+                    offset: generated as u64,
+                };
+                let sampled = backend.sample(&logits, VOCAB, &[row]).unwrap()[0];
+                tokens.push(sampled.token);
+                logprobs.push(sampled.logprob);
+                let text = detokenize(&tokens[request.prompt.len()..]);
+                if !p.force_full_length {
+                    if p.stop_token_ids.contains(&sampled.token) {
+                        break StopReason::Stop(Stop::Token(sampled.token));
+                    }
+                    if let Some(s) = p.stop_strings.iter().find(|s| text.contains(s.as_str())) {
+                        break StopReason::Stop(Stop::String(s.clone()));
+                    }
+                }
+                if generated + 1 == p.max_new_tokens {
+                    break StopReason::Length;
+                }
+            };
+            let text = (!p.stop_strings.is_empty()).then(|| {
+                let text = detokenize(&tokens[request.prompt.len()..]);
+                match &stop_reason {
+                    StopReason::Stop(Stop::String(s)) => {
+                        text[..text.find(s.as_str()).unwrap()].to_string()
+                    }
+                    _ => text,
+                }
+            });
+            Generation {
+                request_id: request.id,
+                sample_index: index,
+                tokens: tokens[request.prompt.len()..].to_vec(),
+                logprobs,
+                stop_reason,
+                text,
+            }
+        })
+        .collect()
+}
+
+fn request(id: u64, prompt_len: usize, n: usize, max_new_tokens: usize) -> SampleRequest {
+    SampleRequest {
+        id,
+        prompt: (0..prompt_len)
+            .map(|i| ((id as usize * 7 + i * 3) % VOCAB) as u32)
+            .collect(),
+        n,
+        params: SamplingParams {
+            max_new_tokens,
+            seed: Some(1000 + id),
+            ..SamplingParams::default()
+        },
+    }
+}
+
+fn config(num_blocks: usize, block_size: usize, max_tokens_per_step: usize) -> SamplerConfig {
+    SamplerConfig {
+        num_blocks,
+        block_size,
+        max_tokens_per_step,
+        max_running_seqs: 64,
+        seed: 0,
+    }
+}
+
+fn generate(
+    model: &ContextHashModel,
+    config: SamplerConfig,
+    requests: &[SampleRequest],
+) -> (Vec<Generation>, floe_engine::SamplerStats) {
+    let mut sampler = Sampler::new(model, config)
+        .unwrap()
+        .with_detokenizer(Box::new(detokenize));
+    let out = sampler.generate(model, requests.to_vec()).unwrap();
+    assert_eq!(
+        sampler.free_blocks(),
+        sampler.config().num_blocks,
+        "every block returns to the pool"
+    );
+    (out, sampler.stats().clone())
+}
+
+fn mixed_requests() -> Vec<SampleRequest> {
+    let mut requests: Vec<SampleRequest> = (0..10)
+        .map(|id| {
+            request(
+                id,
+                3 + (id as usize * 11) % 37,
+                1 + id as usize % 4,
+                5 + (id as usize * 7) % 19,
+            )
+        })
+        .collect();
+    requests[2].params.temperature = 0.0;
+    requests[3].params.top_k = 5;
+    requests[4].params.top_p = 0.8;
+    requests[5].params.min_p = 0.3;
+    requests[6].params.temperature = 0.7;
+    requests
+}
+
+#[test]
+fn matches_the_uncached_reference() {
+    let model = ContextHashModel::default();
+    let requests = mixed_requests();
+    let (out, stats) = generate(&model, config(256, 4, 64), &requests);
+    let expected: Vec<Generation> = requests.iter().flat_map(reference).collect();
+    assert_eq!(out, expected);
+    assert!(stats.steps as usize == model.calls.get() && stats.decode_tokens > 0);
+    assert_eq!(
+        (stats.prefill_tokens + stats.decode_tokens) as usize,
+        model.tokens_run.get()
+    );
+    assert!(model.most_tokens_in_a_call.get() <= 64);
+    assert_eq!(stats.finished as usize, expected.len());
+}
+
+#[test]
+fn a_request_samples_the_same_alone_and_in_a_busy_batch() {
+    let model = ContextHashModel::default();
+    let mut target = request(99, 21, 3, 30);
+    target.params.temperature = 0.9;
+    let (alone, _) = generate(&model, config(64, 4, 512), std::slice::from_ref(&target));
+
+    // Busy: many other requests, a small step budget (chunked prefill) and a cache small
+    // enough to force preemptions.
+    let mut busy = mixed_requests();
+    busy.insert(4, target.clone());
+    for config in [config(24, 4, 7), config(40, 8, 16), config(1000, 2, 3)] {
+        let (out, stats) = generate(&model, config.clone(), &busy);
+        let mine: Vec<Generation> = out.into_iter().filter(|g| g.request_id == 99).collect();
+        assert_eq!(mine, alone, "{config:?}");
+        if config.num_blocks == 24 {
+            assert!(stats.preemptions > 0, "the small cache preempts");
+        }
+    }
+}
+
+#[test]
+fn samples_of_a_request_share_the_prompts_full_blocks() {
+    let model = ContextHashModel::default();
+    // 42 prompt tokens in blocks of 8: 40 are shared, each of the 6 samples recomputes 2.
+    let requests = [request(1, 42, 6, 1)];
+    let (out, stats) = generate(&model, config(64, 8, 1024), &requests);
+    assert_eq!(out, reference(&requests[0]));
+    assert_eq!(stats.prefill_tokens, 40 + 6 * 2);
+    // Prompt of exactly 5 full blocks: the last block is recomputed by every sample.
+    let requests = [request(2, 40, 6, 1)];
+    let (_, stats) = generate(&model, config(64, 8, 1024), &requests);
+    assert_eq!(stats.prefill_tokens, 32 + 6 * 8);
+}
+
+#[test]
+fn stop_tokens_and_stop_strings() {
+    let model = ContextHashModel::default();
+    // Pick stops that occur: a token and a two-character string from a free run.
+    let free = reference(&request(5, 9, 1, 40)).remove(0);
+    let stop_token = free.tokens[12];
+    let text = detokenize(&free.tokens);
+    let stop_string = text[20..22].to_string();
+
+    let mut by_token = request(5, 9, 1, 40);
+    by_token.params.stop_token_ids = vec![stop_token];
+    let mut by_string = request(5, 9, 1, 40);
+    by_string.params.stop_strings = vec!["never".into(), stop_string.clone()];
+    let mut forced = by_token.clone();
+    forced.params.force_full_length = true;
+    forced.params.stop_strings = vec![stop_string.clone()];
+    let requests = [by_token, by_string, forced];
+    let (out, _) = generate(&model, config(64, 4, 64), &requests);
+
+    let first_stop = free.tokens.iter().position(|&t| t == stop_token).unwrap();
+    assert_eq!(out[0].tokens, free.tokens[..=first_stop]);
+    assert_eq!(
+        out[0].stop_reason,
+        StopReason::Stop(Stop::Token(stop_token))
+    );
+
+    let cut = text.find(&stop_string).unwrap();
+    assert_eq!(
+        out[1].tokens,
+        free.tokens[..cut + stop_string.len()],
+        "tokens kept"
+    );
+    assert_eq!(out[1].text.as_deref(), Some(&text[..cut]), "text cut");
+    assert_eq!(
+        out[1].stop_reason,
+        StopReason::Stop(Stop::String(stop_string))
+    );
+
+    assert_eq!(out[2].tokens, free.tokens);
+    assert_eq!(out[2].stop_reason, StopReason::Length);
+
+    let expected: Vec<Generation> = requests.iter().flat_map(reference).collect();
+    assert_eq!(out, expected);
+}
+
+#[test]
+fn samples_are_delivered_as_they_finish() {
+    let model = ContextHashModel::default();
+    let mut sampler = Sampler::new(&model, config(64, 4, 64)).unwrap();
+    sampler.submit(request(1, 5, 2, 40)).unwrap();
+    sampler.submit(request(2, 5, 1, 3)).unwrap();
+    let mut delivered = Vec::new();
+    sampler
+        .run(&model, &mut |g| {
+            delivered.push((g.request_id, model.calls.get()))
+        })
+        .unwrap();
+    assert_eq!(delivered.len(), 3);
+    assert_eq!(
+        delivered[0],
+        (2, 3),
+        "the short request is out after its 3rd step"
+    );
+    // Request 1 shares its first prompt block: one step for it, one for the tails (and
+    // the first token), 39 decodes.
+    assert!(delivered[1..]
+        .iter()
+        .all(|&(id, call)| id == 1 && call == 41));
+    assert!(!sampler.has_unfinished());
+}
+
+#[test]
+fn limits_are_respected() {
+    let model = ContextHashModel::default();
+    let mut config = config(512, 4, 10);
+    config.max_running_seqs = 3;
+    let requests = mixed_requests();
+    let (out, _) = generate(&model, config, &requests);
+    assert_eq!(out, requests.iter().flat_map(reference).collect::<Vec<_>>());
+    assert!(model.most_tokens_in_a_call.get() <= 10);
+    // A prefix fill's own samples wait while it runs, so no call holds more than 3.
+    assert!(model.most_sequences_in_a_call.get() <= 3);
+}
+
+#[test]
+fn unservable_requests_are_rejected() {
+    let model = ContextHashModel::default();
+    let mut sampler = Sampler::new(&model, config(4, 4, 64)).unwrap();
+    let reject = |sampler: &mut Sampler<ContextHashModel>, request: SampleRequest| match sampler
+        .submit(request)
+    {
+        Err(SampleError::InvalidRequest { reason, .. }) => reason,
+        other => panic!("expected a rejection, got {other:?}"),
+    };
+    assert!(reject(&mut sampler, request(1, 10, 1, 8)).contains("KV blocks"));
+    assert!(reject(&mut sampler, request(1, 0, 1, 8)).contains("empty"));
+    assert!(reject(&mut sampler, request(1, 3, 0, 8)).contains("n is 0"));
+    let mut bad = request(1, 3, 1, 8);
+    bad.prompt[0] = VOCAB as u32;
+    assert!(reject(&mut sampler, bad).contains("vocabulary"));
+    let mut bad = request(1, 3, 1, 8);
+    bad.params.stop_strings = vec!["x".into()];
+    assert!(reject(&mut sampler, bad).contains("detokenizer"));
+    // Exactly the whole cache is fine: 9 + 8 - 1 positions in 4 blocks of 4.
+    sampler.submit(request(1, 9, 1, 8)).unwrap();
+    assert!(matches!(
+        sampler.generate(&model, vec![request(2, 3, 1, 2)]),
+        Err(SampleError::Busy)
+    ));
+    let mut out = Vec::new();
+    sampler.run(&model, &mut |g| out.push(g)).unwrap();
+    assert_eq!(out, reference(&request(1, 9, 1, 8)));
+}
