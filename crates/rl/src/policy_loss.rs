@@ -177,10 +177,11 @@ fn token_term(
         clipped_lower: false,
     };
     match loss {
-        PolicyLoss::Regular | PolicyLoss::Gspo => {
+        PolicyLoss::Regular => {
             let (l, dl_dr, clipped) = ppo_clip(r, a, params);
             term(l, dl_dr * dr, clipped)
         }
+        PolicyLoss::Gspo => unreachable!("gspo couples the tokens of a sequence; see gspo()"),
         PolicyLoss::DualClip => {
             let (l, dl_dr, clipped) = ppo_clip(r, a, params);
             let bound = -params.clip_ratio_c * a;
@@ -205,7 +206,8 @@ fn token_term(
 }
 
 /// GSPO: every valid token of sequence `i` sees `s_i = exp(Σ_u m_u Δ_u / Σ_u m_u)`, so
-/// `dL/dlogπ_t = m_t/Σm · ds · Σ_u w_u·∂ℓ_u/∂s`.
+/// `dL/dlogπ_t = m_t/Σm · ds · Σ_u w_u·∂ℓ_u/∂s`. A sequence with no ratio-mask token has
+/// no ratio and contributes nothing.
 fn gspo(
     params: &SurrogateParams,
     inputs: &SurrogateInputs,
