@@ -29,6 +29,8 @@ pub enum AdvantageEstimator {
     /// Discounted token returns whitened over the whole batch; no group baseline.
     #[serde(rename = "reinforce_plus_plus", alias = "reinforce++")]
     ReinforcePlusPlus,
+    /// Group mean as baseline and scale: `(r − μ_g)/(μ_g + ε)`.
+    Maxrl,
 }
 
 /// What every estimator reads; all per-token slices have length `Σ seq_lens`.
@@ -79,6 +81,11 @@ pub fn compute_advantages(config: &AlgorithmConfig, inputs: &AdvantageInputs) ->
         AdvantageEstimator::Rloo => {
             let scores_s = sequence_scores(inputs.token_rewards, inputs.seq_lens);
             let adv_s = rloo_advantages(&scores_s, inputs.group_ids);
+            broadcast_to_tokens(&adv_s, inputs.response_mask, inputs.seq_lens)
+        }
+        AdvantageEstimator::Maxrl => {
+            let scores_s = sequence_scores(inputs.token_rewards, inputs.seq_lens);
+            let adv_s = maxrl_advantages(&scores_s, inputs.group_ids, GRPO_STD_EPSILON);
             broadcast_to_tokens(&adv_s, inputs.response_mask, inputs.seq_lens)
         }
         AdvantageEstimator::ReinforcePlusPlus => reinforce_plus_plus_advantages(
@@ -163,6 +170,20 @@ pub fn rloo_advantages(scores_s: &[f64], group_ids: &[u64]) -> Vec<f64> {
         let mean = group_mean(scores_s, members);
         for &i in members {
             advantages_s[i] = (scores_s[i] - mean) * n / (n - 1.0);
+        }
+    }
+    advantages_s
+}
+
+/// MaxRL outcome advantages: `(r − μ_g)/(μ_g + epsilon)`, the group mean both as baseline
+/// and as scale (a group of one, or of equal scores, gets 0).
+pub fn maxrl_advantages(scores_s: &[f64], group_ids: &[u64], epsilon: f64) -> Vec<f64> {
+    assert_eq!(scores_s.len(), group_ids.len(), "one group id per score");
+    let mut advantages_s = vec![0.0; scores_s.len()];
+    for members in group_members(group_ids).values() {
+        let mean = group_mean(scores_s, members);
+        for &i in members {
+            advantages_s[i] = (scores_s[i] - mean) / (mean + epsilon);
         }
     }
     advantages_s
@@ -329,6 +350,13 @@ mod tests {
     }
 
     #[test]
+    fn maxrl_scales_by_group_mean() {
+        // Group mean 0.25: A = (1 − 0.25)/0.25 = 3 and (0 − 0.25)/0.25 = −1.
+        let adv = maxrl_advantages(&[1.0, 0.0, 0.0, 0.0, 0.7], &[0, 0, 0, 0, 1], 1e-6);
+        close(&adv, &[3.0, -1.0, -1.0, -1.0, 0.0], 1e-4);
+    }
+
+    #[test]
     fn reinforce_plus_plus_discounts_then_whitens() {
         // One sequence [r=0, 0, 1] with γ = 0.5 → returns 0.25, 0.5, 1 (mask all 1);
         // a second sequence [2, pad] whose padding resets the running return.
@@ -409,6 +437,8 @@ mod tests {
                 "\"reinforce_plus_plus\"",
                 AdvantageEstimator::ReinforcePlusPlus,
             ),
+            ("\"reinforce++\"", AdvantageEstimator::ReinforcePlusPlus),
+            ("\"maxrl\"", AdvantageEstimator::Maxrl),
         ] {
             assert_eq!(
                 serde_json::from_str::<AdvantageEstimator>(name).unwrap(),

@@ -1,8 +1,8 @@
 //! RL algorithm math as pure functions over slices: no I/O, no device code.
 //!
 //! What is here, following SkyRL/verl names and numbers:
-//! - [`advantage`]: GRPO (with or without std normalisation), RLOO, REINFORCE++; outcome
-//!   rewards broadcast over response tokens.
+//! - [`advantage`]: GRPO (with or without std normalisation), RLOO, REINFORCE++, MaxRL;
+//!   outcome rewards broadcast over response tokens.
 //! - [`policy_loss`]: PPO clip (`regular`, `dual_clip`), `gspo`, `cispo`,
 //!   `importance_sampling`, `cross_entropy`; [`off_policy`]: masks and truncated importance
 //!   sampling against the sampler's log-probs.
