@@ -284,7 +284,7 @@ fn balance(mut items: Vec<Item>, budget: usize) -> Vec<Vec<Item>> {
         .map(|_| (0, Vec::new()))
         .collect();
     // Stable sort: equal sizes keep input order.
-    items.sort_by(|a, b| b.tokens.cmp(&a.tokens));
+    items.sort_by_key(|item| std::cmp::Reverse(item.tokens));
     for item in items {
         let least = bins
             .iter()
