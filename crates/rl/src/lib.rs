@@ -7,7 +7,7 @@
 //!   `importance_sampling`, `cross_entropy`; [`off_policy`]: masks and truncated importance
 //!   sampling against the sampler's log-probs.
 //! - [`reduction`]: `token_mean`, `sequence_mean`, `seq_mean_token_sum_norm`,
-//!   `seq_mean_token_sum` against mini-batch totals.
+//!   `seq_mean_token_sum`, `prompt_mean` against mini-batch totals.
 //! - [`kl`]: k1/abs/k2/k3 as a loss term or folded into the reward.
 //! - [`tinker`]: Tinker's `forward_backward` losses with sum semantics.
 //! - [`optim`]: LR schedules, grad-norm clipping; [`metrics`]: pass@k, summaries, metric names.

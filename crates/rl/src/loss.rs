@@ -23,6 +23,8 @@ use crate::reduction::{token_weights, GlobalNorm, LossReduction};
 pub struct LossInputs<'a> {
     /// Response tokens per sequence.
     pub seq_lens: &'a [usize],
+    /// Prompt group of each sequence (the GRPO group id); used by `prompt_mean`.
+    pub group_ids: &'a [u64],
     /// `logπ_θ` of each response token under the weights being trained.
     pub logprobs: &'a [f64],
     /// `logπ_old`: log-probs recomputed before the first update of this batch.
@@ -67,6 +69,7 @@ pub struct LossOutput {
 /// // Two sequences of 2 and 1 response tokens; first update, so logπ == logπ_old.
 /// let inputs = LossInputs {
 ///     seq_lens: &[2, 1],
+///     group_ids: &[0, 0],
 ///     logprobs: &[-1.0, -2.0, -0.5],
 ///     old_logprobs: &[-1.0, -2.0, -0.5],
 ///     advantages: &[1.0, 1.0, -1.0],
@@ -75,7 +78,7 @@ pub struct LossOutput {
 ///     ref_logprobs: None,
 ///     rollout_logprobs: None,
 /// };
-/// let norm = GlobalNorm::of_mini_batch(inputs.loss_mask, inputs.seq_lens);
+/// let norm = GlobalNorm::of_mini_batch(inputs.loss_mask, inputs.seq_lens, inputs.group_ids);
 /// let out = compute_policy_loss(&config, &inputs, &norm);
 /// // token_mean of −r·A with r = 1: (−1 − 1 + 1)/3; dL/dlogπ_t = −A_t/3.
 /// assert!((out.loss + 1.0 / 3.0).abs() < 1e-12);
@@ -97,6 +100,7 @@ pub fn compute_policy_loss(
         config.loss_reduction,
         inputs.loss_mask,
         inputs.seq_lens,
+        inputs.group_ids,
         norm,
         config.max_seq_len,
     );
@@ -225,6 +229,7 @@ fn add_kl_loss(
         LossReduction::SequenceMean,
         inputs.loss_mask,
         inputs.seq_lens,
+        inputs.group_ids,
         norm,
         None,
     );

@@ -21,11 +21,12 @@ const LOSSES: [PolicyLoss; 6] = [
     PolicyLoss::ImportanceSampling,
     PolicyLoss::CrossEntropy,
 ];
-const REDUCTIONS: [LossReduction; 4] = [
+const REDUCTIONS: [LossReduction; 5] = [
     LossReduction::TokenMean,
     LossReduction::SequenceMean,
     LossReduction::SeqMeanTokenSumNorm,
     LossReduction::SeqMeanTokenSum,
+    LossReduction::PromptMean,
 ];
 
 fn config(loss: PolicyLoss, reduction: LossReduction) -> AlgorithmConfig {
@@ -57,6 +58,7 @@ fn hand_computed_loss_and_gradients() {
     };
     let inputs = LossInputs {
         seq_lens: &[2, 1],
+        group_ids: &[0, 0],
         logprobs: &[-1.0, -2.0, -0.5],
         old_logprobs: &[-1.0, -2.0, -0.5],
         advantages: &[1.0, 1.0, -2.0],
@@ -65,7 +67,7 @@ fn hand_computed_loss_and_gradients() {
         ref_logprobs: Some(&[-1.5, -2.0, -1.0]),
         rollout_logprobs: None,
     };
-    let norm = GlobalNorm::of_mini_batch(inputs.loss_mask, inputs.seq_lens);
+    let norm = GlobalNorm::of_mini_batch(inputs.loss_mask, inputs.seq_lens, inputs.group_ids);
     let out = compute_policy_loss(&config, &inputs, &norm);
     let close = |a: f64, b: f64| assert!((a - b).abs() < 1e-12, "{a} vs {b}");
     close(out.loss, 0.0375 - 0.6);
@@ -212,6 +214,7 @@ fn weighting_the_loss_equals_skyrl_prescaled_advantages() {
                 reduction,
                 &batch.loss_mask,
                 &batch.seq_lens,
+                &batch.group_ids,
                 &norm,
                 config.max_seq_len,
             );

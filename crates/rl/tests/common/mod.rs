@@ -20,9 +20,11 @@ pub fn values(seed: u64, n: usize, lo: f64, hi: f64) -> Vec<f64> {
         .collect()
 }
 
-/// Five sequences (lengths 3, 4, 2, 5, 3) with padding and a fully masked sequence.
+/// Five sequences (lengths 3, 4, 2, 5, 3) in three prompt groups, with padding and a fully
+/// masked sequence.
 pub struct Batch {
     pub seq_lens: Vec<usize>,
+    pub group_ids: Vec<u64>,
     pub logprobs: Vec<f64>,
     pub old_logprobs: Vec<f64>,
     pub advantages: Vec<f64>,
@@ -55,6 +57,8 @@ impl Batch {
         loss_mask[8] = 0.0;
         Self {
             seq_lens,
+            // Groups that the micro-batch splits of the tests cut through.
+            group_ids: vec![3, 5, 5, 8, 8],
             logprobs,
             old_logprobs: old_logprobs.clone(),
             advantages,
@@ -72,6 +76,7 @@ impl Batch {
     pub fn inputs(&self) -> LossInputs<'_> {
         LossInputs {
             seq_lens: &self.seq_lens,
+            group_ids: &self.group_ids,
             logprobs: &self.logprobs,
             old_logprobs: &self.old_logprobs,
             advantages: &self.advantages,
@@ -83,7 +88,7 @@ impl Batch {
     }
 
     pub fn norm(&self) -> GlobalNorm {
-        GlobalNorm::of_mini_batch(&self.loss_mask, &self.seq_lens)
+        GlobalNorm::of_mini_batch(&self.loss_mask, &self.seq_lens, &self.group_ids)
     }
 
     /// The micro-batch holding sequences `range`, as a batch of its own.
@@ -92,7 +97,8 @@ impl Batch {
         let end: usize = self.seq_lens[..seqs.end].iter().sum();
         let cut = |v: &Vec<f64>| v[start..end].to_vec();
         Batch {
-            seq_lens: self.seq_lens[seqs].to_vec(),
+            seq_lens: self.seq_lens[seqs.clone()].to_vec(),
+            group_ids: self.group_ids[seqs].to_vec(),
             logprobs: cut(&self.logprobs),
             old_logprobs: cut(&self.old_logprobs),
             advantages: cut(&self.advantages),
