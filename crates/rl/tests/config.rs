@@ -38,6 +38,7 @@ fn names_and_aliases_parse() {
     assert_eq!(config.advantage_estimator, AdvantageEstimator::Rloo);
     assert_eq!(config.kl_estimator_type, KlEstimator::K3);
     assert_eq!(config.kl_ctrl.kind, KlControllerKind::Adaptive);
+    assert!(config.off_policy_correction.is_enabled());
     config.validate().unwrap();
 }
 
