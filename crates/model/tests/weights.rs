@@ -319,6 +319,9 @@ fn sharded_round_trip_and_layout_switch() {
     assert_eq!(load_model_dir(dir.path()).unwrap().1, weights);
 }
 
+/// Named raw tensors: (name, dtype, shape, little-endian bytes).
+type RawTensors = Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)>;
+
 /// Writes a raw safetensors file holding `tensors` (name → (dtype, shape, bytes)).
 fn write_raw(path: &Path, tensors: &[(&str, safetensors::Dtype, Vec<usize>, Vec<u8>)]) {
     let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
@@ -383,7 +386,7 @@ fn reads_f16_ignores_extras_and_accepts_a_redundant_tied_head() {
 fn load_errors_name_the_file_and_tensor() {
     let config = small_config(Architecture::Qwen3, false);
     let weights = weights_for(&config);
-    let setup = |edit: &dyn Fn(&mut Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)>)| {
+    let setup = |edit: &dyn Fn(&mut RawTensors)| {
         let dir = tempfile::tempdir().unwrap();
         std::fs::write(
             dir.path().join("config.json"),
