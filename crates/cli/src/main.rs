@@ -17,6 +17,10 @@ enum Command {
     /// Run the RL pipeline (SFT warm start, GRPO, eval, report); with no recipe, the
     /// embedded default on a tiny model and a synthetic SQL task.
     Train(cmd::train::Args),
+    /// Evaluate a checkpoint: pass@k and average score per data source.
+    Eval(cmd::eval::Args),
+    /// Export a checkpoint's weights as a Hugging Face folder.
+    Export(cmd::export::Args),
     /// Score a reward function over a JSONL file of cases.
     #[command(subcommand)]
     Reward(cmd::reward::Command),
@@ -38,6 +42,8 @@ fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Train(args) => cmd::train::run(args),
+        Command::Eval(args) => cmd::eval::run(args),
+        Command::Export(args) => cmd::export::run(args),
         Command::Reward(command) => cmd::reward::run(command),
         Command::Data(command) => cmd::data::run(command),
         Command::Bench(args) => cmd::bench::run(args),

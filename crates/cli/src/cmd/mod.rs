@@ -2,5 +2,7 @@
 
 pub mod bench;
 pub mod data;
+pub mod eval;
+pub mod export;
 pub mod reward;
 pub mod train;

@@ -1,0 +1,143 @@
+//! The one boundary between the RL loop and whatever trains and samples the weights.
+//!
+//! The loop never touches a model or a device: it sends token ids and per-token training
+//! inputs through [`Engine`] and gets token ids, log-probs and metrics back (token in,
+//! token out). `LocalEngine` runs the verbs in this process on the CPU or a GPU; a remote
+//! implementation sends the same requests to `floe serve` over HTTP, so the two must give
+//! the same results for the same seed.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::time::Duration;
+
+use floe_engine::policy::{OptimParams, StepOutcome};
+use floe_engine::{Generation, SampleRequest};
+use floe_rl::AlgorithmConfig;
+use serde::{Deserialize, Serialize};
+
+/// What the loop needs to know about the engine's model.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct EngineInfo {
+    /// The device, in words (e.g. `cpu (f32, 2 threads)`).
+    pub device: String,
+    /// Rows of the model's vocabulary.
+    pub vocab_size: usize,
+    /// Longest prompt plus response the engine accepts.
+    pub max_seq_len: usize,
+}
+
+/// A prompt and responses to score; responses share the prompt.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SequenceGroup {
+    /// Prompt token ids (at least one).
+    pub prompt: Vec<u32>,
+    /// Response token ids, each scored given the prompt.
+    pub responses: Vec<Vec<u32>>,
+}
+
+/// Per-token outputs of the model for one response.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct TokenOutputs {
+    /// `log π(token_i | prompt, tokens_<i)` at the requested temperature.
+    pub logprobs: Vec<f64>,
+    /// Entropy of the next-token distribution at each response position.
+    pub entropy: Vec<f64>,
+}
+
+/// One response to train on, with its per-token inputs (all of `tokens.len()`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TrainResponse {
+    /// Response token ids.
+    pub tokens: Vec<u32>,
+    /// 1 for tokens that train, 0 for the rest (observations of multi-turn envs).
+    pub loss_mask: Vec<f64>,
+    /// Per-token advantages (policy loss only).
+    pub advantages: Vec<f64>,
+    /// Log-probs of the weights before this batch's first update (policy loss only).
+    pub old_logprobs: Vec<f64>,
+    /// Log-probs reported by the sampler, for off-policy correction.
+    pub rollout_logprobs: Option<Vec<f64>>,
+    /// Log-probs of the frozen reference model, for a KL loss.
+    pub ref_logprobs: Option<Vec<f64>>,
+}
+
+/// A prompt and the responses to train on.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TrainGroup {
+    /// Prompt token ids (at least one).
+    pub prompt: Vec<u32>,
+    /// The group's responses.
+    pub responses: Vec<TrainResponse>,
+}
+
+/// The loss a [`Engine::forward_backward`] call differentiates. One call is one
+/// mini-batch: reductions use the totals of the whole call, however the engine splits it
+/// into micro-batches.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum Loss {
+    /// floe's RL policy loss (`floe_rl::compute_policy_loss`) with this configuration.
+    Policy(AlgorithmConfig),
+    /// Supervised fine-tuning: mean negative log-likelihood over the masked tokens.
+    CrossEntropy,
+}
+
+/// Which weights a [`Engine::forward`] reads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Weights {
+    /// The weights being trained.
+    Policy,
+    /// The frozen reference set by [`Engine::freeze_reference`].
+    Reference,
+}
+
+/// Result of a [`Engine::forward_backward`] call.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct ForwardBackwardOutput {
+    /// The loss of the call.
+    pub loss: f64,
+    /// Loss diagnostics (`policy/*` names), combined over micro-batches.
+    pub metrics: BTreeMap<String, f64>,
+}
+
+/// The verbs the RL loop uses. Gradients accumulate across `forward_backward` calls
+/// until `optim_step`.
+pub trait Engine {
+    /// The error of every verb.
+    type Error: std::error::Error + Send + Sync + 'static;
+
+    /// Device and model facts.
+    fn info(&self) -> &EngineInfo;
+    /// Samples every request, calling `on_generation` as each sample finishes (so
+    /// scoring overlaps generation); returns when all are done.
+    fn sample(
+        &mut self,
+        requests: Vec<SampleRequest>,
+        on_generation: &mut dyn FnMut(Generation),
+    ) -> Result<(), Self::Error>;
+    /// Per-token log-probs and entropies of each group's responses, in order.
+    fn forward(
+        &mut self,
+        groups: &[SequenceGroup],
+        weights: Weights,
+        temperature: f32,
+    ) -> Result<Vec<Vec<TokenOutputs>>, Self::Error>;
+    /// Forward and backward of one mini-batch under `loss`; gradients accumulate.
+    fn forward_backward(
+        &mut self,
+        groups: &[TrainGroup],
+        loss: &Loss,
+        temperature: f32,
+    ) -> Result<ForwardBackwardOutput, Self::Error>;
+    /// Applies the accumulated gradients and clears them.
+    fn optim_step(&mut self, params: &OptimParams) -> Result<StepOutcome, Self::Error>;
+    /// Makes the sampler use the latest trained weights; returns how long it took.
+    fn sync_sampler_weights(&mut self) -> Result<Duration, Self::Error>;
+    /// Freezes a copy of the current weights as the reference model.
+    fn freeze_reference(&mut self) -> Result<(), Self::Error>;
+    /// Writes weights and optimizer state into `dir` (atomically).
+    fn save_state(&mut self, dir: &Path) -> Result<(), Self::Error>;
+    /// Restores what [`Engine::save_state`] wrote.
+    fn load_state(&mut self, dir: &Path) -> Result<(), Self::Error>;
+    /// Writes the weights as a Hugging Face folder that transformers loads.
+    fn export_hf(&mut self, dir: &Path) -> Result<(), Self::Error>;
+}
