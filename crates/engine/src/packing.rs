@@ -269,6 +269,9 @@ pub fn pack_rollouts(
         }
     }
 
+    if items.is_empty() {
+        return Ok(Vec::new());
+    }
     let bins = balance(items, budget);
     Ok(bins
         .into_iter()
@@ -524,6 +527,14 @@ mod tests {
                 tokens: 14,
                 budget: 13
             })
+        );
+        let nothing = [RolloutGroup {
+            prompt: vec![1],
+            responses: vec![response(&[])],
+        }];
+        assert_eq!(
+            pack_rollouts(&nothing, config(0, PackingMode::Shared)),
+            Ok(vec![])
         );
         let empty_prompt = [RolloutGroup {
             prompt: vec![],

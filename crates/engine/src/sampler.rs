@@ -327,6 +327,9 @@ pub struct Sampler<M: CachedModel> {
 
 impl<M: CachedModel> Sampler<M> {
     /// A sampler with a fresh cache for `model`.
+    ///
+    /// # Panics
+    /// When `block_size`, `max_tokens_per_step` or `max_running_seqs` is 0.
     pub fn new(model: &M, config: SamplerConfig) -> Result<Self, SampleError> {
         assert!(config.block_size > 0, "block_size must be positive");
         assert!(
@@ -477,6 +480,10 @@ impl<M: CachedModel> Sampler<M> {
         if self.has_unfinished() {
             return Err(SampleError::Busy);
         }
+        // Check all before queueing any, so a bad request leaves the sampler idle.
+        for request in &requests {
+            self.validate(request)?;
+        }
         let first_key = self.next_key;
         let mut slots: Vec<Vec<Option<Generation>>> = Vec::with_capacity(requests.len());
         for request in requests {
@@ -543,7 +550,12 @@ impl<M: CachedModel> Sampler<M> {
             .forward_cached(&mut self.cache, &input)
             .map_err(|e| SampleError::Model(Box::new(e)))?;
         let rows = self.sampling_rows(&chunks);
-        let sampled = model.backend().sample(&logits, self.vocab, &rows)?;
+        // A step of prefix fills and unfinished chunks alone has nothing to sample.
+        let sampled = if rows.is_empty() {
+            Vec::new()
+        } else {
+            model.backend().sample(&logits, self.vocab, &rows)?
+        };
         self.stats.model_time += model_started.elapsed();
         self.stats.steps += 1;
 

@@ -69,10 +69,22 @@ fn config(num_blocks: usize, block_size: usize, max_tokens_per_step: usize) -> S
 fn sampling_is_batch_invariant_and_logprobs_match_the_trainer() {
     let model = tiny_model();
     let target = request(42, 13, 3, 12);
-    let alone = Sampler::new(&model, config(32, 16, 256))
+    // Alone, with the prompt's 3 full blocks shared by the 3 samples (the first step only
+    // fills them and samples nothing).
+    let alone = Sampler::new(&model, config(32, 4, 256))
         .unwrap()
         .generate(&model, vec![target.clone()])
         .unwrap();
+    // Alone, without sharing (the prompt fits in one block) and 3 tokens a step.
+    let unshared = Sampler::new(&model, config(8, 16, 3))
+        .unwrap()
+        .generate(&model, vec![target.clone()])
+        .unwrap();
+    for (a, b) in alone.iter().zip(&unshared) {
+        assert_eq!(a.tokens, b.tokens);
+    }
+    let distinct: std::collections::HashSet<&Vec<u32>> = alone.iter().map(|g| &g.tokens).collect();
+    assert_eq!(distinct.len(), 3, "samples draw from their own streams");
 
     // Small blocks (prefix sharing), a 5-token step budget (chunked prefill) and a cache
     // small enough to preempt.
