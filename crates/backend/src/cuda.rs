@@ -1,1 +1,0 @@
-//! The CUDA backend (to be implemented).

@@ -1,0 +1,121 @@
+//! Host-side work lists of the packed-segment attention kernels (see
+//! `kernels/attention.cu` for how each list is read).
+
+use crate::{Error, Result, Segment};
+
+/// Rows per tile of every attention kernel (`ROWS` in `attention.cu`).
+pub(crate) const TILE: u32 = 32;
+
+/// The work lists of one attention call, flattened to `u32` for upload.
+pub(crate) struct WorkLists {
+    /// `[n_seg * 4]`: start, len, prefix_start, prefix_len.
+    pub segs: Vec<u32>,
+    /// `[n_item * 3]`: segment, first query, end query (at most [`TILE`] queries).
+    pub query_tiles: Vec<u32>,
+    /// `[n_tile * 2]`: first key, end key (at most [`TILE`] keys).
+    pub key_tiles: Vec<u32>,
+    /// `[n_tile + 1]`: offsets of each key tile's query ranges in `ranges`.
+    pub tile_ranges: Vec<u32>,
+    /// `[n_range * 3]`: segment, first query, end query: the queries that read a key tile.
+    pub ranges: Vec<u32>,
+}
+
+impl WorkLists {
+    /// Number of query tiles.
+    pub fn n_query_tiles(&self) -> usize {
+        self.query_tiles.len() / 3
+    }
+
+    /// Number of key tiles.
+    pub fn n_key_tiles(&self) -> usize {
+        self.key_tiles.len() / 2
+    }
+}
+
+/// Checks `segments` against `tokens` and builds the work lists; `with_keys` adds the
+/// key-tile lists the backward's dK/dV kernel needs.
+pub(crate) fn work_lists(
+    op: &'static str,
+    segments: &[Segment],
+    tokens: usize,
+    with_keys: bool,
+) -> Result<WorkLists> {
+    let mut segs = Vec::with_capacity(segments.len() * 4);
+    let mut query_tiles = Vec::new();
+    for (i, s) in segments.iter().enumerate() {
+        let end = s.start as usize + s.len as usize;
+        let prefix_end = s.prefix_start as usize + s.prefix_len as usize;
+        if end > tokens || (s.prefix_len > 0 && prefix_end > tokens) {
+            return Err(Error::Shape {
+                op,
+                msg: format!("segment {i} ({s:?}) reaches past {tokens} tokens"),
+            });
+        }
+        if s.prefix_len > 0
+            && s.prefix_start < s.start + s.len
+            && s.start < s.prefix_start + s.prefix_len
+        {
+            return Err(Error::Shape {
+                op,
+                msg: format!("segment {i} ({s:?}) overlaps its own prefix"),
+            });
+        }
+        let prefix_start = if s.prefix_len > 0 { s.prefix_start } else { 0 };
+        segs.extend([s.start, s.len, prefix_start, s.prefix_len]);
+        let mut lo = s.start;
+        while lo < s.start + s.len {
+            let hi = (lo + TILE).min(s.start + s.len);
+            query_tiles.extend([i as u32, lo, hi]);
+            lo = hi;
+        }
+    }
+    let (mut key_tiles, mut tile_ranges, mut ranges) = (Vec::new(), vec![0u32], Vec::new());
+    if with_keys {
+        // Keys that anything reads: the segments and their prefixes, merged.
+        let mut spans: Vec<(u32, u32)> = Vec::new();
+        for s in segments {
+            spans.push((s.start, s.start + s.len));
+            if s.prefix_len > 0 {
+                spans.push((s.prefix_start, s.prefix_start + s.prefix_len));
+            }
+        }
+        spans.retain(|&(a, b)| b > a);
+        spans.sort_unstable();
+        let mut merged: Vec<(u32, u32)> = Vec::new();
+        for (a, b) in spans {
+            match merged.last_mut() {
+                Some(last) if a <= last.1 => last.1 = last.1.max(b),
+                _ => merged.push((a, b)),
+            }
+        }
+        for (a, b) in merged {
+            let mut lo = a;
+            while lo < b {
+                let hi = (lo + TILE).min(b);
+                key_tiles.extend([lo, hi]);
+                for (i, s) in segments.iter().enumerate() {
+                    let s_end = s.start + s.len;
+                    let in_prefix = s.prefix_len > 0
+                        && s.prefix_start < hi
+                        && lo < s.prefix_start + s.prefix_len;
+                    if in_prefix {
+                        // A prefix is read by every query of the segment.
+                        ranges.extend([i as u32, s.start, s_end]);
+                    } else if s.start < hi && lo < s_end {
+                        // Own keys are read causally: queries at or after the tile's first key.
+                        ranges.extend([i as u32, lo.max(s.start), s_end]);
+                    }
+                }
+                tile_ranges.push((ranges.len() / 3) as u32);
+                lo = hi;
+            }
+        }
+    }
+    Ok(WorkLists {
+        segs,
+        query_tiles,
+        key_tiles,
+        tile_ranges,
+        ranges,
+    })
+}

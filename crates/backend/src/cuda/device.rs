@@ -1,0 +1,478 @@
+//! The device side of [`CudaBackend`]: context, stream, cuBLAS handle, buffers, the
+//! NVRTC module cache, kernel launches and the GEMM wrapper.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use cudarc::cublas::{result as cublas_result, sys as cublas_sys, CudaBlas};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, LaunchConfig,
+    PushKernelArg,
+};
+use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
+
+use crate::{BufKind, Error, Matmul, Result};
+
+impl From<cudarc::driver::DriverError> for Error {
+    fn from(e: cudarc::driver::DriverError) -> Self {
+        Error::Cuda(format!("driver: {e}"))
+    }
+}
+
+impl From<cudarc::cublas::result::CublasError> for Error {
+    fn from(e: cudarc::cublas::result::CublasError) -> Self {
+        Error::Cuda(format!("cuBLAS: {e:?}"))
+    }
+}
+
+/// The storage behind a [`CudaBuf`], one variant per storage type.
+pub(crate) enum Storage {
+    /// [`BufKind::Compute`]: bf16, kept as raw `u16` bits.
+    Bf16(CudaSlice<u16>),
+    /// [`BufKind::Full`]: f32.
+    F32(CudaSlice<f32>),
+    /// [`BufKind::Index`]: u32.
+    U32(CudaSlice<u32>),
+}
+
+/// A flat buffer in device memory: bf16 for Compute, f32 for Full, u32 for Index.
+pub struct CudaBuf {
+    pub(crate) storage: Storage,
+    pub(crate) len: usize,
+    pub(crate) kind: BufKind,
+}
+
+/// Element type code the kernels take next to each float pointer (`DT_BF16`, `DT_F32`).
+pub(crate) fn dtype_code(kind: BufKind) -> i32 {
+    match kind {
+        BufKind::Full => 1,
+        _ => 0,
+    }
+}
+
+/// Bytes per element of a kind's storage type.
+pub(crate) fn elem_bytes(kind: BufKind) -> usize {
+    match kind {
+        BufKind::Compute => 2,
+        BufKind::Full | BufKind::Index => 4,
+    }
+}
+
+/// The kernel sources, one NVRTC program each, compiled on first use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) enum Module {
+    Elementwise,
+    NormRope,
+    Attention,
+    LmHead,
+    Sampling,
+}
+
+const ALL_MODULES: [Module; 5] = [
+    Module::Elementwise,
+    Module::NormRope,
+    Module::Attention,
+    Module::LmHead,
+    Module::Sampling,
+];
+
+const COMMON: &str = include_str!("kernels/common.cuh");
+
+impl Module {
+    fn source(self) -> &'static str {
+        match self {
+            Module::Elementwise => include_str!("kernels/elementwise.cu"),
+            Module::NormRope => include_str!("kernels/norm_rope.cu"),
+            Module::Attention => include_str!("kernels/attention.cu"),
+            Module::LmHead => include_str!("kernels/lm_head.cu"),
+            Module::Sampling => include_str!("kernels/sampling.cu"),
+        }
+    }
+
+    fn file_name(self) -> &'static str {
+        match self {
+            Module::Elementwise => "elementwise.cu",
+            Module::NormRope => "norm_rope.cu",
+            Module::Attention => "attention.cu",
+            Module::LmHead => "lm_head.cu",
+            Module::Sampling => "sampling.cu",
+        }
+    }
+}
+
+/// PTX per (module, architecture), shared by every backend of the process: NVRTC takes
+/// about a second per module, a module load a millisecond.
+fn ptx_cache() -> &'static Mutex<HashMap<(Module, &'static str), Ptx>> {
+    static CACHE: OnceLock<Mutex<HashMap<(Module, &'static str), Ptx>>> = OnceLock::new();
+    CACHE.get_or_init(Default::default)
+}
+
+/// NVRTC's `--gpu-architecture` for a compute capability.
+fn arch_name(major: i32, minor: i32) -> &'static str {
+    match (major, minor) {
+        (9, 0) => "sm_90",
+        (8, 0) => "sm_80",
+        (8, 6) => "sm_86",
+        (8, 9) => "sm_89",
+        (10, 0) => "sm_100",
+        (12, 0) => "sm_120",
+        _ => Box::leak(format!("sm_{major}{minor}").into_boxed_str()),
+    }
+}
+
+fn compile(module: Module, arch: &'static str) -> Result<Ptx> {
+    let mut cache = ptx_cache().lock().expect("ptx cache poisoned");
+    if let Some(ptx) = cache.get(&(module, arch)) {
+        return Ok(ptx.clone());
+    }
+    let src = format!("{COMMON}\n{}", module.source());
+    let opts = CompileOptions {
+        arch: Some(arch),
+        name: Some(module.file_name().into()),
+        options: vec!["--std=c++17".into(), "-lineinfo".into()],
+        ..Default::default()
+    };
+    let ptx = compile_ptx_with_opts(src, opts)
+        .map_err(|e| Error::Cuda(format!("NVRTC failed on {}: {e}", module.file_name())))?;
+    cache.insert((module, arch), ptx.clone());
+    Ok(ptx)
+}
+
+/// A kernel argument; the driver copies each from an 8-byte slot, reading as many bytes as
+/// the kernel's parameter has (little-endian, so 4-byte values sit in the low half).
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Arg {
+    /// A device pointer (0 for null).
+    Ptr(u64),
+    /// `int`.
+    I32(i32),
+    /// `long long`.
+    I64(i64),
+    /// `float`.
+    F32(f32),
+}
+
+impl Arg {
+    fn slot(self) -> u64 {
+        match self {
+            Arg::Ptr(p) => p,
+            Arg::I32(v) => v as u32 as u64,
+            Arg::I64(v) => v as u64,
+            Arg::F32(v) => v.to_bits() as u64,
+        }
+    }
+}
+
+/// Converts a size to a kernel `int`, naming the op when it does not fit.
+pub(crate) fn int(op: &'static str, what: &str, v: usize) -> Result<Arg> {
+    i32::try_from(v).map(Arg::I32).map_err(|_| Error::Shape {
+        op,
+        msg: format!("{what} = {v} exceeds the kernels' 32-bit range"),
+    })
+}
+
+/// The CUDA backend: one device, one stream, bf16 storage with f32 accumulation.
+pub struct CudaBackend {
+    pub(crate) ctx: Arc<CudaContext>,
+    pub(crate) stream: Arc<CudaStream>,
+    blas: CudaBlas,
+    arch: &'static str,
+    pub(crate) sm_count: u32,
+    device_name: String,
+    modules: Mutex<HashMap<Module, Arc<CudaModule>>>,
+    functions: Mutex<HashMap<&'static str, CudaFunction>>,
+    /// cuBLAS's workspace; kept alive as long as the handle uses it.
+    _blas_workspace: CudaSlice<u8>,
+}
+
+/// Bytes of cuBLAS workspace (the size NVIDIA recommends on Hopper).
+const BLAS_WORKSPACE_BYTES: usize = 32 << 20;
+
+impl CudaBackend {
+    /// Opens device `ordinal`. Fails with [`Error::Cuda`] when the driver, NVRTC or cuBLAS
+    /// library cannot be loaded or no such device exists.
+    pub fn new(ordinal: usize) -> Result<Self> {
+        // cudarc panics when a library is missing; look for each one first.
+        // SAFETY: these only try to dlopen the library by its usual names.
+        unsafe {
+            if !cudarc::driver::sys::is_culib_present() {
+                return Err(Error::Cuda(
+                    "no CUDA driver found: libcuda.so could not be loaded".into(),
+                ));
+            }
+            if !cudarc::nvrtc::sys::is_culib_present() {
+                return Err(Error::Cuda(
+                    "NVRTC not found: add the CUDA toolkit's lib64 to LD_LIBRARY_PATH".into(),
+                ));
+            }
+            if !cudarc::cublas::sys::is_culib_present()
+                || !cudarc::cublaslt::sys::is_culib_present()
+            {
+                return Err(Error::Cuda(
+                    "cuBLAS not found: add the CUDA toolkit's lib64 to LD_LIBRARY_PATH".into(),
+                ));
+            }
+        }
+        let count = CudaContext::device_count()?;
+        if ordinal >= count.max(0) as usize {
+            return Err(Error::Cuda(format!(
+                "no CUDA device {ordinal}: {count} device(s) present"
+            )));
+        }
+        let ctx = CudaContext::new(ordinal)?;
+        // One stream orders every op, so cudarc's per-buffer events are pure overhead.
+        // SAFETY: no buffer of this context is shared with another stream.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.new_stream()?;
+        let blas = CudaBlas::new(stream.clone())?;
+        let workspace = stream.alloc_zeros::<u8>(BLAS_WORKSPACE_BYTES)?;
+        {
+            let (ptr, _sync) = workspace.device_ptr(&stream);
+            // SAFETY: the workspace lives as long as the handle (both in `Self`).
+            let status = unsafe {
+                cublas_sys::cublasSetWorkspace_v2(
+                    *blas.handle(),
+                    ptr as *mut std::ffi::c_void,
+                    BLAS_WORKSPACE_BYTES,
+                )
+            };
+            if status != cublas_sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+                return Err(Error::Cuda(format!("cublasSetWorkspace: {status:?}")));
+            }
+        }
+        let (major, minor) = ctx.compute_capability()?;
+        let sm_count = ctx.attribute(
+            cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+        )? as u32;
+        let device_name = ctx.name()?;
+        Ok(Self {
+            ctx,
+            stream,
+            blas,
+            arch: arch_name(major, minor),
+            sm_count,
+            device_name,
+            modules: Mutex::new(HashMap::new()),
+            functions: Mutex::new(HashMap::new()),
+            _blas_workspace: workspace,
+        })
+    }
+
+    /// Compiles every kernel module for `arch` (e.g. `sm_90`) with NVRTC alone, no driver or
+    /// GPU needed: the build check of the kernel sources. Returns each module's PTX size.
+    pub fn compile_kernels(arch: &'static str) -> Result<Vec<(&'static str, usize)>> {
+        // SAFETY: only tries to dlopen NVRTC by its usual names.
+        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+            return Err(Error::Cuda(
+                "NVRTC not found: add the CUDA toolkit's lib64 to LD_LIBRARY_PATH".into(),
+            ));
+        }
+        ALL_MODULES
+            .iter()
+            .map(|&m| Ok((m.file_name(), compile(m, arch)?.to_src().len())))
+            .collect()
+    }
+
+    /// `cuda:N (device name, sm_XY)`.
+    pub(crate) fn describe(&self) -> String {
+        format!(
+            "cuda:{} ({}, {}, {} SMs, bf16 compute / f32 master)",
+            self.ctx.ordinal(),
+            self.device_name,
+            self.arch,
+            self.sm_count
+        )
+    }
+
+    fn function(&self, module: Module, kernel: &'static str) -> Result<CudaFunction> {
+        if let Some(f) = self.functions.lock().expect("poisoned").get(kernel) {
+            return Ok(f.clone());
+        }
+        let loaded = {
+            let mut modules = self.modules.lock().expect("poisoned");
+            match modules.get(&module) {
+                Some(m) => m.clone(),
+                None => {
+                    let m = self.ctx.load_module(compile(module, self.arch)?)?;
+                    modules.insert(module, m.clone());
+                    m
+                }
+            }
+        };
+        let f = loaded.load_function(kernel)?;
+        self.functions
+            .lock()
+            .expect("poisoned")
+            .insert(kernel, f.clone());
+        Ok(f)
+    }
+
+    /// Compiles (once per process) and loads every module, so later timings and the first
+    /// training step exclude NVRTC.
+    pub fn warm_up(&self) -> Result<()> {
+        for m in ALL_MODULES {
+            let mut modules = self.modules.lock().expect("poisoned");
+            if !modules.contains_key(&m) {
+                let loaded = self.ctx.load_module(compile(m, self.arch)?)?;
+                modules.insert(m, loaded);
+            }
+        }
+        Ok(())
+    }
+
+    /// Enqueues `kernel` of `module` on the stream.
+    pub(crate) fn launch(
+        &self,
+        module: Module,
+        kernel: &'static str,
+        cfg: LaunchConfig,
+        args: &[Arg],
+    ) -> Result<()> {
+        if cfg.grid_dim.0 == 0 || cfg.grid_dim.1 == 0 || cfg.grid_dim.2 == 0 {
+            return Ok(());
+        }
+        let f = self.function(module, kernel)?;
+        let slots: Vec<u64> = args.iter().map(|a| a.slot()).collect();
+        let mut builder = self.stream.launch_builder(&f);
+        for slot in &slots {
+            builder.arg(slot);
+        }
+        // SAFETY: each kernel's parameter list matches `args` (checked by the op that
+        // builds them) and every pointer is a live allocation of this context.
+        unsafe { builder.launch(cfg) }
+            .map_err(|e| Error::Cuda(format!("launching {kernel}: {e}")))?;
+        Ok(())
+    }
+
+    /// A 1-D grid-stride launch over `n` items: enough blocks to fill the device, no more.
+    pub(crate) fn grid_1d(&self, n: usize, threads: u32) -> LaunchConfig {
+        let blocks = n
+            .div_ceil(threads as usize)
+            .min(self.sm_count as usize * 16);
+        LaunchConfig {
+            grid_dim: (blocks as u32, 1, 1),
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+
+    // ---- buffers ---------------------------------------------------------------------
+
+    /// A buffer of `len` elements of `kind`, contents unspecified.
+    pub(crate) fn alloc(&self, len: usize, kind: BufKind) -> Result<CudaBuf> {
+        // cuMemAlloc rejects zero bytes; an empty buffer still owns one element.
+        let n = len.max(1);
+        let free = self
+            .ctx
+            .mem_get_info()
+            .map(|(f, _)| f)
+            .unwrap_or(usize::MAX);
+        let bytes = n * elem_bytes(kind);
+        if bytes > free {
+            return Err(Error::OutOfMemory {
+                what: format!("a {kind:?} buffer of {len} elements"),
+                requested: bytes,
+                free,
+            });
+        }
+        // SAFETY: every caller writes the buffer before it is read (or zeroes it).
+        let storage = unsafe {
+            match kind {
+                BufKind::Compute => Storage::Bf16(self.stream.alloc::<u16>(n)?),
+                BufKind::Full => Storage::F32(self.stream.alloc::<f32>(n)?),
+                BufKind::Index => Storage::U32(self.stream.alloc::<u32>(n)?),
+            }
+        };
+        Ok(CudaBuf { storage, len, kind })
+    }
+
+    /// The device address of `buf`'s first element.
+    pub(crate) fn ptr(&self, buf: &CudaBuf) -> u64 {
+        match &buf.storage {
+            Storage::Bf16(s) => s.device_ptr(&self.stream).0,
+            Storage::F32(s) => s.device_ptr(&self.stream).0,
+            Storage::U32(s) => s.device_ptr(&self.stream).0,
+        }
+    }
+
+    /// `buf`'s address as a kernel argument.
+    pub(crate) fn p(&self, buf: &CudaBuf) -> Arg {
+        Arg::Ptr(self.ptr(buf))
+    }
+
+    // ---- GEMM ------------------------------------------------------------------------
+
+    /// `C = alpha·op(A)·op(B) + beta·C` on row-major operands given by address and kind.
+    /// A and B share one storage type (bf16 or f32); C may be either (bf16 inputs with an
+    /// f32 output is how parameter gradients accumulate). Accumulation is always f32.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn gemm(
+        &self,
+        c: (u64, BufKind),
+        a: (u64, BufKind),
+        b: (u64, BufKind),
+        dims: Matmul,
+        alpha: f32,
+        beta: f32,
+    ) -> Result<()> {
+        use cublas_sys::cublasOperation_t::{CUBLAS_OP_N, CUBLAS_OP_T};
+        use cublas_sys::cudaDataType::{CUDA_R_16BF, CUDA_R_32F};
+        let Matmul {
+            m,
+            n,
+            k,
+            trans_a,
+            trans_b,
+        } = dims;
+        if m == 0 || n == 0 {
+            return Ok(());
+        }
+        let ty = |kind: BufKind| match kind {
+            BufKind::Full => CUDA_R_32F,
+            _ => CUDA_R_16BF,
+        };
+        let as_int = |v: usize| {
+            i32::try_from(v).map_err(|_| Error::Shape {
+                op: "matmul",
+                msg: format!("dimension {v} exceeds cuBLAS's 32-bit range"),
+            })
+        };
+        // Row-major C[m,n] = A·B is column-major Cᵀ[n,m] = Bᵀ·Aᵀ: swap the operands.
+        let (op_b, ldb) = if trans_b {
+            (CUBLAS_OP_T, k)
+        } else {
+            (CUBLAS_OP_N, n)
+        };
+        let (op_a, lda) = if trans_a {
+            (CUBLAS_OP_T, m)
+        } else {
+            (CUBLAS_OP_N, k)
+        };
+        self.ctx.bind_to_thread()?;
+        // SAFETY: the caller checked every operand's length against `dims`.
+        unsafe {
+            cublas_result::gemm_ex(
+                *self.blas.handle(),
+                op_b,
+                op_a,
+                as_int(n)?,
+                as_int(m)?,
+                as_int(k)?,
+                (&alpha) as *const f32 as *const _,
+                b.0 as *const _,
+                ty(b.1),
+                as_int(ldb.max(1))?,
+                a.0 as *const _,
+                ty(a.1),
+                as_int(lda.max(1))?,
+                (&beta) as *const f32 as *const _,
+                c.0 as *mut _,
+                ty(c.1),
+                as_int(n)?,
+                cublas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                cublas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )?;
+        }
+        Ok(())
+    }
+}

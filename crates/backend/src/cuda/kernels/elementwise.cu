@@ -1,0 +1,124 @@
+// Elementwise ops, small reductions, gathers, SwiGLU and AdamW.
+// All loops are grid-stride so the host picks the grid from the device, not the size.
+
+extern "C" __global__ void add_assign(void* y, int ydt, const void* x, int xdt, i64 n) {
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
+        stf(y, ydt, i, ldf(y, ydt, i) + ldf(x, xdt, i));
+}
+
+extern "C" __global__ void scale(void* y, int dt, float alpha, i64 n) {
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
+        stf(y, dt, i, ldf(y, dt, i) * alpha);
+}
+
+// dst = src with storage conversion (bf16 <-> f32).
+extern "C" __global__ void convert(void* dst, int ddt, const void* src, int sdt, i64 n) {
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
+        stf(dst, ddt, i, ldf(src, sdt, i));
+}
+
+// *out += sum(x^2): f32 per thread and per block, f64 across blocks so large tensors
+// (hundreds of millions of elements) keep their precision.
+extern "C" __global__ void sum_squares(const void* x, int dt, i64 n, double* out) {
+    __shared__ float scratch[32];
+    float acc = 0.0f;
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+        float v = ldf(x, dt, i);
+        acc = fmaf(v, v, acc);
+    }
+    acc = block_sum(acc, scratch);
+    if (threadIdx.x == 0) atomicAdd(out, (double)acc);
+}
+
+// out[r, :] = x[rows[r], :]. Also the embedding forward. One block row-chunk per y.
+extern "C" __global__ void gather_rows(void* out, int odt, const void* x, int xdt, const u32* rows,
+                                       int nrows, int dim) {
+    for (int r = blockIdx.y; r < nrows; r += gridDim.y) {
+        i64 src = (i64)rows[r] * dim, dst = (i64)r * dim;
+        for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < dim; c += gridDim.x * blockDim.x)
+            stf(out, odt, dst + c, ldf(x, xdt, src + c));
+    }
+}
+
+// y[r, c] += bias[c].
+extern "C" __global__ void add_bias(void* y, int ydt, const void* bias, int bdt, int rows, int cols) {
+    for (int r = blockIdx.y; r < rows; r += gridDim.y)
+        for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < cols; c += gridDim.x * blockDim.x) {
+            i64 i = (i64)r * cols + c;
+            stf(y, ydt, i, ldf(y, ydt, i) + ldf(bias, bdt, c));
+        }
+}
+
+// dst[c] += sum_r src[r, c] * (row_scale ? row_scale[r] : 1) * (other ? other[r, c] : 1).
+// Each block sums a chunk of rows for a strip of columns, then one atomic per column.
+// Serves add_bias_backward (dst = dbias) and RMSNorm's dw (src = dout, other = x,
+// row_scale = rstd).
+extern "C" __global__ void column_sum(float* dst, const void* src, int sdt, const void* other, int odt,
+                                      const void* row_scale, int rdt, int rows, int cols) {
+    int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= cols) return;
+    int chunk = (rows + gridDim.y - 1) / gridDim.y;
+    int r0 = blockIdx.y * chunk, r1 = min(rows, r0 + chunk);
+    float acc = 0.0f;
+    for (int r = r0; r < r1; ++r) {
+        i64 i = (i64)r * cols + c;
+        float v = ldf(src, sdt, i);
+        if (other) v *= ldf(other, odt, i);
+        if (row_scale) v *= ldf(row_scale, rdt, r);
+        acc += v;
+    }
+    if (r1 > r0) atomicAdd(dst + c, acc);
+}
+
+// dtable[ids[t], :] += dout[t, :]; ids may repeat, hence atomics into the f32 table.
+extern "C" __global__ void embedding_backward(float* dtable, const void* dout, int ddt, const u32* ids,
+                                              int tokens, int dim) {
+    for (int t = blockIdx.y; t < tokens; t += gridDim.y) {
+        i64 dst = (i64)ids[t] * dim, src = (i64)t * dim;
+        for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < dim; c += gridDim.x * blockDim.x)
+            atomicAdd(dtable + dst + c, ldf(dout, ddt, src + c));
+    }
+}
+
+__device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + __expf(-x)); }
+
+// out = silu(gate) * up.
+extern "C" __global__ void swiglu_forward(void* out, int odt, const void* gate, int gdt, const void* up,
+                                          int udt, i64 n) {
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+        float g = ldf(gate, gdt, i);
+        stf(out, odt, i, g * sigmoid(g) * ldf(up, udt, i));
+    }
+}
+
+// d up = dout * silu(g); d gate = dout * up * sig(g) * (1 + g * (1 - sig(g))).
+extern "C" __global__ void swiglu_backward(void* dgate, int dgdt, void* dup, int dudt, const void* dout,
+                                           int ddt, const void* gate, int gdt, const void* up, int udt,
+                                           i64 n) {
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+        float g = ldf(gate, gdt, i), u = ldf(up, udt, i), d = ldf(dout, ddt, i);
+        float s = sigmoid(g);
+        stf(dup, dudt, i, d * g * s);
+        stf(dgate, dgdt, i, d * u * s * (1.0f + g * (1.0f - s)));
+    }
+}
+
+// One AdamW step on f32 master weights and moments; `compute` (may be null) receives the
+// new weights in its own storage type, so no separate cast pass is needed.
+// bias1 = 1 - beta1^step, bias2 = 1 - beta2^step (computed in f64 on the host).
+extern "C" __global__ void adamw(float* param, const void* grad, int gdt, float* m, float* v, void* compute,
+                                 int cdt, float lr, float beta1, float beta2, float eps, float weight_decay,
+                                 float grad_scale, float bias1, float bias2, i64 n) {
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+        float g = ldf(grad, gdt, i) * grad_scale;
+        float p = param[i];
+        p -= lr * weight_decay * p;
+        float mi = beta1 * m[i] + (1.0f - beta1) * g;
+        float vi = beta2 * v[i] + (1.0f - beta2) * g * g;
+        m[i] = mi;
+        v[i] = vi;
+        p -= lr * (mi / bias1) / (sqrtf(vi / bias2) + eps);
+        param[i] = p;
+        if (compute) stf(compute, cdt, i, p);
+    }
+}

@@ -1,0 +1,29 @@
+//! The CUDA backend (feature `cuda`): NVRTC-compiled kernels and cuBLAS, bf16 storage for
+//! Compute buffers, f32 for Full ones, f32 accumulation everywhere.
+//!
+//! Without the feature, [`CudaBackend`] is an uninhabited stub whose constructor returns
+//! [`crate::Error::NotCompiledWithCuda`], so callers need no `cfg`.
+//!
+//! Layout (with the feature):
+//! - `device.rs`: context, stream, cuBLAS handle and workspace, buffers, the per-process
+//!   NVRTC cache (one program per `kernels/*.cu`, compiled for the device's `sm_XY` on
+//!   first use) and the row-major GEMM wrapper over `cublasGemmEx`.
+//! - `ops.rs`: the [`crate::Backend`] implementation: host-side checks, then launches.
+//! - `attention.rs`: the work lists (query tiles, key tiles and the query ranges that
+//!   read each key tile) of the packed-segment attention kernels.
+//! - `kernels/`: CUDA C sources, one file per family of ops, each with its reference in
+//!   `crate::cpu` (compared op by op in `tests/cuda_ops.rs`).
+
+#[cfg(feature = "cuda")]
+mod attention;
+#[cfg(feature = "cuda")]
+mod device;
+#[cfg(feature = "cuda")]
+mod ops;
+#[cfg(not(feature = "cuda"))]
+mod stub;
+
+#[cfg(feature = "cuda")]
+pub use device::{CudaBackend, CudaBuf};
+#[cfg(not(feature = "cuda"))]
+pub use stub::{CudaBackend, CudaBuf};

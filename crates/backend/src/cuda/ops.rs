@@ -1,0 +1,1404 @@
+//! [`Backend`] for [`CudaBackend`]: argument checks on the host, then one or a few kernel
+//! launches (or cuBLAS calls) per op, all on the backend's stream.
+
+use cudarc::driver::LaunchConfig;
+
+use super::attention::{work_lists, TILE};
+use super::device::{dtype_code, int, Arg, CudaBackend, CudaBuf, Module, Storage};
+use crate::{
+    sampling, AdamW, AttnShape, Backend, BufKind, Error, LmHead, Matmul, PagedLayout, Result,
+    Sampled, SamplingRow, Segment,
+};
+
+fn check_len(op: &'static str, arg: &str, got: usize, want: usize) -> Result<()> {
+    if got == want {
+        Ok(())
+    } else {
+        Err(Error::Shape {
+            op,
+            msg: format!("`{arg}` has {got} elements, expected {want}"),
+        })
+    }
+}
+
+fn need(op: &'static str, arg: &'static str, buf: &CudaBuf, kind: BufKind) -> Result<()> {
+    if buf.kind == kind {
+        Ok(())
+    } else {
+        Err(Error::Kind {
+            op,
+            arg,
+            expected: kind,
+            got: buf.kind,
+        })
+    }
+}
+
+/// Compute or Full; returns the kernels' type code.
+fn float(op: &'static str, arg: &'static str, buf: &CudaBuf) -> Result<Arg> {
+    if buf.kind == BufKind::Index {
+        return Err(Error::Kind {
+            op,
+            arg,
+            expected: BufKind::Compute,
+            got: BufKind::Index,
+        });
+    }
+    Ok(Arg::I32(dtype_code(buf.kind)))
+}
+
+fn i64_arg(n: usize) -> Arg {
+    Arg::I64(n as i64)
+}
+
+fn check_attn_shape(op: &'static str, shape: &AttnShape) -> Result<()> {
+    if shape.kv_heads == 0 || shape.q_heads % shape.kv_heads != 0 {
+        return Err(Error::Shape {
+            op,
+            msg: format!(
+                "q_heads {} is not a multiple of kv_heads {}",
+                shape.q_heads, shape.kv_heads
+            ),
+        });
+    }
+    if shape.head_dim != 64 && shape.head_dim != 128 {
+        return Err(Error::Shape {
+            op,
+            msg: format!(
+                "head_dim {} unsupported on CUDA (64 or 128)",
+                shape.head_dim
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// The attention kernels take bf16 q/k/v/out/grads and f32 lse.
+fn compute_args(op: &'static str, args: &[(&'static str, &CudaBuf)], len: usize) -> Result<()> {
+    for &(name, buf) in args {
+        need(op, name, buf, BufKind::Compute)?;
+        check_len(op, name, buf.len, len)?;
+    }
+    Ok(())
+}
+
+fn cfg(grid: (u32, u32, u32), threads: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: grid,
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// Threads of the one-block-per-row lm-head kernels.
+const ROW_THREADS: u32 = 512;
+/// Threads of a block of the one-warp-per-row kernels.
+const WARP_ROW_THREADS: u32 = 256;
+
+impl CudaBackend {
+    fn upload_index_to(&self, data: &[u32]) -> Result<CudaBuf> {
+        let mut buf = self.alloc(data.len(), BufKind::Index)?;
+        if let Storage::U32(s) = &mut buf.storage {
+            if !data.is_empty() {
+                self.stream
+                    .memcpy_htod(data, &mut s.slice_mut(..data.len()))?;
+            }
+        }
+        Ok(buf)
+    }
+
+    /// Grid for the one-warp-per-row kernels.
+    fn warp_rows(&self, rows: usize) -> LaunchConfig {
+        let warps = (WARP_ROW_THREADS / 32) as usize;
+        let blocks = rows.div_ceil(warps).clamp(1, self.sm_count as usize * 32);
+        cfg((blocks as u32, 1, 1), WARP_ROW_THREADS)
+    }
+
+    /// Grid for row-broadcast kernels (`gather_rows`, `add_bias`, ...): x over columns, y
+    /// over rows.
+    fn rows_cols(&self, rows: usize, cols: usize) -> LaunchConfig {
+        let threads = 256u32;
+        let gx = cols.div_ceil(threads as usize).max(1);
+        let gy = rows.clamp(1, 65535);
+        cfg((gx as u32, gy as u32, 1), threads)
+    }
+
+    /// `dst[c] += Σ_r src[r, c] · other[r, c] · row_scale[r]` (the last two optional).
+    #[allow(clippy::too_many_arguments)]
+    fn column_sum(
+        &self,
+        dst: &CudaBuf,
+        src: &CudaBuf,
+        other: Option<&CudaBuf>,
+        row_scale: Option<&CudaBuf>,
+        rows: usize,
+        cols: usize,
+    ) -> Result<()> {
+        let threads = 256u32;
+        let gx = cols.div_ceil(threads as usize).max(1);
+        // Enough row chunks to fill the device, each at least 32 rows long.
+        let gy = rows
+            .div_ceil(32)
+            .clamp(1, (self.sm_count as usize * 8).div_ceil(gx).max(1));
+        let opt = |b: Option<&CudaBuf>| match b {
+            Some(b) => (self.p(b), Arg::I32(dtype_code(b.kind))),
+            None => (Arg::Ptr(0), Arg::I32(0)),
+        };
+        let (o, odt) = opt(other);
+        let (r, rdt) = opt(row_scale);
+        self.launch(
+            Module::Elementwise,
+            "column_sum",
+            cfg((gx as u32, gy as u32, 1), threads),
+            &[
+                self.p(dst),
+                self.p(src),
+                Arg::I32(dtype_code(src.kind)),
+                o,
+                odt,
+                r,
+                rdt,
+                int("column_sum", "rows", rows)?,
+                int("column_sum", "cols", cols)?,
+            ],
+        )
+    }
+}
+
+impl Backend for CudaBackend {
+    type Buf = CudaBuf;
+
+    fn name(&self) -> String {
+        self.describe()
+    }
+
+    fn memory_info(&self) -> Option<(usize, usize)> {
+        self.ctx.mem_get_info().ok()
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        self.stream.synchronize()?;
+        Ok(())
+    }
+
+    fn compute_is_full(&self) -> bool {
+        false
+    }
+
+    // ---- buffers ---------------------------------------------------------------------
+
+    fn len(&self, buf: &CudaBuf) -> usize {
+        buf.len
+    }
+
+    fn kind(&self, buf: &CudaBuf) -> BufKind {
+        buf.kind
+    }
+
+    fn zeros(&self, len: usize, kind: BufKind) -> Result<CudaBuf> {
+        let mut buf = self.alloc(len, kind)?;
+        self.fill_zero(&mut buf)?;
+        Ok(buf)
+    }
+
+    fn upload(&self, data: &[f32], kind: BufKind) -> Result<CudaBuf> {
+        let mut buf = self.alloc(data.len(), kind)?;
+        if data.is_empty() {
+            return Ok(buf);
+        }
+        let n = data.len();
+        match &mut buf.storage {
+            Storage::Bf16(s) => {
+                let bits: Vec<u16> = data
+                    .iter()
+                    .map(|&x| half::bf16::from_f32(x).to_bits())
+                    .collect();
+                self.stream.memcpy_htod(&bits, &mut s.slice_mut(..n))?;
+            }
+            Storage::F32(s) => self.stream.memcpy_htod(data, &mut s.slice_mut(..n))?,
+            Storage::U32(_) => {
+                return Err(Error::Kind {
+                    op: "upload",
+                    arg: "kind",
+                    expected: BufKind::Full,
+                    got: BufKind::Index,
+                })
+            }
+        }
+        Ok(buf)
+    }
+
+    fn upload_index(&self, data: &[u32]) -> Result<CudaBuf> {
+        self.upload_index_to(data)
+    }
+
+    fn download(&self, buf: &CudaBuf) -> Result<Vec<f32>> {
+        let n = buf.len;
+        let out = match &buf.storage {
+            Storage::Bf16(s) => {
+                let mut bits = vec![0u16; n];
+                if n > 0 {
+                    self.stream.memcpy_dtoh(&s.slice(..n), &mut bits)?;
+                }
+                self.stream.synchronize()?;
+                bits.into_iter()
+                    .map(|b| half::bf16::from_bits(b).to_f32())
+                    .collect()
+            }
+            Storage::F32(s) => {
+                let mut v = vec![0f32; n];
+                if n > 0 {
+                    self.stream.memcpy_dtoh(&s.slice(..n), &mut v)?;
+                }
+                self.stream.synchronize()?;
+                v
+            }
+            Storage::U32(_) => {
+                return Err(Error::Kind {
+                    op: "download",
+                    arg: "buf",
+                    expected: BufKind::Full,
+                    got: BufKind::Index,
+                })
+            }
+        };
+        Ok(out)
+    }
+
+    fn download_index(&self, buf: &CudaBuf) -> Result<Vec<u32>> {
+        need("download_index", "buf", buf, BufKind::Index)?;
+        let mut v = vec![0u32; buf.len];
+        if let Storage::U32(s) = &buf.storage {
+            if buf.len > 0 {
+                self.stream.memcpy_dtoh(&s.slice(..buf.len), &mut v)?;
+            }
+        }
+        self.stream.synchronize()?;
+        Ok(v)
+    }
+
+    fn copy(&self, dst: &mut CudaBuf, src: &CudaBuf) -> Result<()> {
+        const OP: &str = "copy";
+        check_len(OP, "src", src.len, dst.len)?;
+        let n = src.len;
+        if n == 0 {
+            return Ok(());
+        }
+        match (&mut dst.storage, &src.storage) {
+            (Storage::Bf16(d), Storage::Bf16(s)) => self
+                .stream
+                .memcpy_dtod(&s.slice(..n), &mut d.slice_mut(..n))?,
+            (Storage::F32(d), Storage::F32(s)) => self
+                .stream
+                .memcpy_dtod(&s.slice(..n), &mut d.slice_mut(..n))?,
+            (Storage::U32(d), Storage::U32(s)) => self
+                .stream
+                .memcpy_dtod(&s.slice(..n), &mut d.slice_mut(..n))?,
+            (Storage::U32(_), _) | (_, Storage::U32(_)) => {
+                return Err(Error::Kind {
+                    op: OP,
+                    arg: "src",
+                    expected: dst.kind,
+                    got: src.kind,
+                })
+            }
+            _ => {
+                let ddt = float(OP, "dst", dst)?;
+                let sdt = float(OP, "src", src)?;
+                self.launch(
+                    Module::Elementwise,
+                    "convert",
+                    self.grid_1d(n, 256),
+                    &[self.p(dst), ddt, self.p(src), sdt, i64_arg(n)],
+                )?;
+            }
+        }
+        Ok(())
+    }
+
+    fn copy_into(&self, dst: &mut CudaBuf, offset: usize, src: &CudaBuf) -> Result<()> {
+        const OP: &str = "copy_into";
+        if dst.kind != src.kind {
+            return Err(Error::Kind {
+                op: OP,
+                arg: "src",
+                expected: dst.kind,
+                got: src.kind,
+            });
+        }
+        let n = src.len;
+        if offset + n > dst.len {
+            return Err(Error::Shape {
+                op: OP,
+                msg: format!(
+                    "`src` of {n} elements at offset {offset} overruns `dst` of {}",
+                    dst.len
+                ),
+            });
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        match (&mut dst.storage, &src.storage) {
+            (Storage::Bf16(d), Storage::Bf16(s)) => self
+                .stream
+                .memcpy_dtod(&s.slice(..n), &mut d.slice_mut(offset..offset + n))?,
+            (Storage::F32(d), Storage::F32(s)) => self
+                .stream
+                .memcpy_dtod(&s.slice(..n), &mut d.slice_mut(offset..offset + n))?,
+            (Storage::U32(d), Storage::U32(s)) => self
+                .stream
+                .memcpy_dtod(&s.slice(..n), &mut d.slice_mut(offset..offset + n))?,
+            _ => unreachable!("kinds checked equal above"),
+        }
+        Ok(())
+    }
+
+    fn fill_zero(&self, buf: &mut CudaBuf) -> Result<()> {
+        match &mut buf.storage {
+            Storage::Bf16(s) => self.stream.memset_zeros(s)?,
+            Storage::F32(s) => self.stream.memset_zeros(s)?,
+            Storage::U32(s) => self.stream.memset_zeros(s)?,
+        }
+        Ok(())
+    }
+
+    // ---- elementwise and reductions --------------------------------------------------
+
+    fn add_assign(&self, y: &mut CudaBuf, x: &CudaBuf) -> Result<()> {
+        const OP: &str = "add_assign";
+        let ydt = float(OP, "y", y)?;
+        let xdt = float(OP, "x", x)?;
+        check_len(OP, "x", x.len, y.len)?;
+        self.launch(
+            Module::Elementwise,
+            "add_assign",
+            self.grid_1d(y.len, 256),
+            &[self.p(y), ydt, self.p(x), xdt, i64_arg(y.len)],
+        )
+    }
+
+    fn scale(&self, y: &mut CudaBuf, alpha: f32) -> Result<()> {
+        let dt = float("scale", "y", y)?;
+        self.launch(
+            Module::Elementwise,
+            "scale",
+            self.grid_1d(y.len, 256),
+            &[self.p(y), dt, Arg::F32(alpha), i64_arg(y.len)],
+        )
+    }
+
+    fn sum_squares(&self, x: &CudaBuf) -> Result<f64> {
+        let dt = float("sum_squares", "x", x)?;
+        let out = self.stream.alloc_zeros::<f64>(1)?;
+        let out_ptr = {
+            use cudarc::driver::DevicePtr;
+            out.device_ptr(&self.stream).0
+        };
+        self.launch(
+            Module::Elementwise,
+            "sum_squares",
+            self.grid_1d(x.len, 256),
+            &[self.p(x), dt, i64_arg(x.len), Arg::Ptr(out_ptr)],
+        )?;
+        let mut v = [0f64];
+        self.stream.memcpy_dtoh(&out, &mut v)?;
+        self.stream.synchronize()?;
+        Ok(v[0])
+    }
+
+    fn gather_rows(
+        &self,
+        out: &mut CudaBuf,
+        x: &CudaBuf,
+        rows: &CudaBuf,
+        dim: usize,
+    ) -> Result<()> {
+        const OP: &str = "gather_rows";
+        let odt = float(OP, "out", out)?;
+        let xdt = float(OP, "x", x)?;
+        need(OP, "rows", rows, BufKind::Index)?;
+        check_len(OP, "out", out.len, rows.len * dim)?;
+        if dim == 0 || x.len % dim != 0 {
+            return Err(Error::Shape {
+                op: OP,
+                msg: format!("`x` of {} elements is not whole rows of {dim}", x.len),
+            });
+        }
+        self.launch(
+            Module::Elementwise,
+            "gather_rows",
+            self.rows_cols(rows.len, dim),
+            &[
+                self.p(out),
+                odt,
+                self.p(x),
+                xdt,
+                self.p(rows),
+                int(OP, "rows", rows.len)?,
+                int(OP, "dim", dim)?,
+            ],
+        )
+    }
+
+    // ---- dense -----------------------------------------------------------------------
+
+    fn matmul(
+        &self,
+        c: &mut CudaBuf,
+        a: &CudaBuf,
+        b: &CudaBuf,
+        dims: Matmul,
+        accumulate: bool,
+    ) -> Result<()> {
+        const OP: &str = "matmul";
+        float(OP, "a", a)?;
+        float(OP, "b", b)?;
+        float(OP, "c", c)?;
+        check_len(OP, "a", a.len, dims.m * dims.k)?;
+        check_len(OP, "b", b.len, dims.k * dims.n)?;
+        check_len(OP, "c", c.len, dims.m * dims.n)?;
+        if a.kind != b.kind {
+            return Err(Error::Kind {
+                op: OP,
+                arg: "b",
+                expected: a.kind,
+                got: b.kind,
+            });
+        }
+        if a.kind == BufKind::Full && c.kind == BufKind::Compute {
+            return Err(Error::Kind {
+                op: OP,
+                arg: "c",
+                expected: BufKind::Full,
+                got: c.kind,
+            });
+        }
+        self.gemm(
+            (self.ptr(c), c.kind),
+            (self.ptr(a), a.kind),
+            (self.ptr(b), b.kind),
+            dims,
+            1.0,
+            if accumulate { 1.0 } else { 0.0 },
+        )
+    }
+
+    fn add_bias(&self, y: &mut CudaBuf, bias: &CudaBuf, rows: usize, cols: usize) -> Result<()> {
+        const OP: &str = "add_bias";
+        let ydt = float(OP, "y", y)?;
+        let bdt = float(OP, "bias", bias)?;
+        check_len(OP, "bias", bias.len, cols)?;
+        check_len(OP, "y", y.len, rows * cols)?;
+        self.launch(
+            Module::Elementwise,
+            "add_bias",
+            self.rows_cols(rows, cols),
+            &[
+                self.p(y),
+                ydt,
+                self.p(bias),
+                bdt,
+                int(OP, "rows", rows)?,
+                int(OP, "cols", cols)?,
+            ],
+        )
+    }
+
+    fn add_bias_backward(
+        &self,
+        dbias: &mut CudaBuf,
+        dy: &CudaBuf,
+        rows: usize,
+        cols: usize,
+    ) -> Result<()> {
+        const OP: &str = "add_bias_backward";
+        need(OP, "dbias", dbias, BufKind::Full)?;
+        float(OP, "dy", dy)?;
+        check_len(OP, "dbias", dbias.len, cols)?;
+        check_len(OP, "dy", dy.len, rows * cols)?;
+        self.column_sum(dbias, dy, None, None, rows, cols)
+    }
+
+    // ---- embedding -------------------------------------------------------------------
+
+    fn embedding_forward(
+        &self,
+        out: &mut CudaBuf,
+        table: &CudaBuf,
+        ids: &CudaBuf,
+        dim: usize,
+    ) -> Result<()> {
+        self.gather_rows(out, table, ids, dim)
+            .map_err(|e| rename(e, "embedding_forward"))
+    }
+
+    fn embedding_backward(
+        &self,
+        dtable: &mut CudaBuf,
+        dout: &CudaBuf,
+        ids: &CudaBuf,
+        dim: usize,
+    ) -> Result<()> {
+        const OP: &str = "embedding_backward";
+        need(OP, "dtable", dtable, BufKind::Full)?;
+        let ddt = float(OP, "dout", dout)?;
+        need(OP, "ids", ids, BufKind::Index)?;
+        check_len(OP, "dout", dout.len, ids.len * dim)?;
+        if dim == 0 || dtable.len % dim != 0 {
+            return Err(Error::Shape {
+                op: OP,
+                msg: format!(
+                    "`dtable` of {} elements is not whole rows of {dim}",
+                    dtable.len
+                ),
+            });
+        }
+        self.launch(
+            Module::Elementwise,
+            "embedding_backward",
+            self.rows_cols(ids.len, dim),
+            &[
+                self.p(dtable),
+                self.p(dout),
+                ddt,
+                self.p(ids),
+                int(OP, "tokens", ids.len)?,
+                int(OP, "dim", dim)?,
+            ],
+        )
+    }
+
+    // ---- RMSNorm ---------------------------------------------------------------------
+
+    fn rmsnorm_forward(
+        &self,
+        out: &mut CudaBuf,
+        rstd: &mut CudaBuf,
+        x: &CudaBuf,
+        w: &CudaBuf,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+    ) -> Result<()> {
+        const OP: &str = "rmsnorm_forward";
+        let odt = float(OP, "out", out)?;
+        need(OP, "rstd", rstd, BufKind::Full)?;
+        let xdt = float(OP, "x", x)?;
+        let wdt = float(OP, "w", w)?;
+        check_len(OP, "x", x.len, rows * dim)?;
+        check_len(OP, "w", w.len, dim)?;
+        check_len(OP, "out", out.len, rows * dim)?;
+        check_len(OP, "rstd", rstd.len, rows)?;
+        self.launch(
+            Module::NormRope,
+            "rmsnorm_forward",
+            self.warp_rows(rows),
+            &[
+                self.p(out),
+                odt,
+                self.p(rstd),
+                Arg::I32(1),
+                self.p(x),
+                xdt,
+                self.p(w),
+                wdt,
+                int(OP, "rows", rows)?,
+                int(OP, "dim", dim)?,
+                Arg::F32(eps),
+            ],
+        )
+    }
+
+    fn rmsnorm_backward(
+        &self,
+        dx: &mut CudaBuf,
+        dw: &mut CudaBuf,
+        dout: &CudaBuf,
+        x: &CudaBuf,
+        w: &CudaBuf,
+        rstd: &CudaBuf,
+        rows: usize,
+        dim: usize,
+    ) -> Result<()> {
+        const OP: &str = "rmsnorm_backward";
+        let dxdt = float(OP, "dx", dx)?;
+        need(OP, "dw", dw, BufKind::Full)?;
+        let ddt = float(OP, "dout", dout)?;
+        let xdt = float(OP, "x", x)?;
+        let wdt = float(OP, "w", w)?;
+        need(OP, "rstd", rstd, BufKind::Full)?;
+        check_len(OP, "dx", dx.len, rows * dim)?;
+        check_len(OP, "dout", dout.len, rows * dim)?;
+        check_len(OP, "x", x.len, rows * dim)?;
+        check_len(OP, "w", w.len, dim)?;
+        check_len(OP, "dw", dw.len, dim)?;
+        check_len(OP, "rstd", rstd.len, rows)?;
+        self.launch(
+            Module::NormRope,
+            "rmsnorm_backward_dx",
+            self.warp_rows(rows),
+            &[
+                self.p(dx),
+                dxdt,
+                self.p(dout),
+                ddt,
+                self.p(x),
+                xdt,
+                self.p(w),
+                wdt,
+                self.p(rstd),
+                Arg::I32(1),
+                int(OP, "rows", rows)?,
+                int(OP, "dim", dim)?,
+            ],
+        )?;
+        self.column_sum(dw, dout, Some(x), Some(rstd), rows, dim)
+    }
+
+    // ---- RoPE ------------------------------------------------------------------------
+
+    fn rope(
+        &self,
+        x: &mut CudaBuf,
+        positions: &CudaBuf,
+        inv_freq: &CudaBuf,
+        tokens: usize,
+        heads: usize,
+        head_dim: usize,
+        inverse: bool,
+    ) -> Result<()> {
+        const OP: &str = "rope";
+        let xdt = float(OP, "x", x)?;
+        need(OP, "positions", positions, BufKind::Index)?;
+        need(OP, "inv_freq", inv_freq, BufKind::Full)?;
+        if head_dim % 2 != 0 {
+            return Err(Error::Shape {
+                op: OP,
+                msg: format!("head_dim {head_dim} is odd"),
+            });
+        }
+        check_len(OP, "x", x.len, tokens * heads * head_dim)?;
+        check_len(OP, "positions", positions.len, tokens)?;
+        check_len(OP, "inv_freq", inv_freq.len, head_dim / 2)?;
+        self.launch(
+            Module::NormRope,
+            "rope",
+            self.grid_1d(tokens * heads * head_dim / 2, 256),
+            &[
+                self.p(x),
+                xdt,
+                self.p(positions),
+                self.p(inv_freq),
+                int(OP, "tokens", tokens)?,
+                int(OP, "heads", heads)?,
+                int(OP, "head_dim", head_dim)?,
+                Arg::I32(inverse as i32),
+            ],
+        )
+    }
+
+    // ---- attention over packed segments ----------------------------------------------
+
+    fn attention_forward(
+        &self,
+        out: &mut CudaBuf,
+        lse: &mut CudaBuf,
+        q: &CudaBuf,
+        k: &CudaBuf,
+        v: &CudaBuf,
+        segments: &[Segment],
+        shape: AttnShape,
+    ) -> Result<()> {
+        const OP: &str = "attention_forward";
+        check_attn_shape(OP, &shape)?;
+        let AttnShape {
+            tokens,
+            q_heads,
+            kv_heads,
+            head_dim,
+            scale,
+        } = shape;
+        compute_args(OP, &[("q", q), ("out", out)], tokens * q_heads * head_dim)?;
+        compute_args(OP, &[("k", k), ("v", v)], tokens * kv_heads * head_dim)?;
+        need(OP, "lse", lse, BufKind::Full)?;
+        check_len(OP, "lse", lse.len, tokens * q_heads)?;
+        let lists = work_lists(OP, segments, tokens, false)?;
+        if lists.n_query_tiles() == 0 {
+            return Ok(());
+        }
+        let segs = self.upload_index_to(&lists.segs)?;
+        let items = self.upload_index_to(&lists.query_tiles)?;
+        let kernel = if head_dim == 64 {
+            "attention_forward_d64"
+        } else {
+            "attention_forward_d128"
+        };
+        self.launch(
+            Module::Attention,
+            kernel,
+            cfg((lists.n_query_tiles() as u32, q_heads as u32, 1), TILE * 4),
+            &[
+                self.p(out),
+                self.p(lse),
+                self.p(q),
+                self.p(k),
+                self.p(v),
+                self.p(&segs),
+                self.p(&items),
+                int(OP, "q_heads", q_heads)?,
+                int(OP, "kv_heads", kv_heads)?,
+                Arg::F32(scale),
+            ],
+        )
+    }
+
+    fn attention_backward(
+        &self,
+        dq: &mut CudaBuf,
+        dk: &mut CudaBuf,
+        dv: &mut CudaBuf,
+        dout: &CudaBuf,
+        out: &CudaBuf,
+        lse: &CudaBuf,
+        q: &CudaBuf,
+        k: &CudaBuf,
+        v: &CudaBuf,
+        segments: &[Segment],
+        shape: AttnShape,
+    ) -> Result<()> {
+        const OP: &str = "attention_backward";
+        check_attn_shape(OP, &shape)?;
+        let AttnShape {
+            tokens,
+            q_heads,
+            kv_heads,
+            head_dim,
+            scale,
+        } = shape;
+        let q_len = tokens * q_heads * head_dim;
+        let kv_len = tokens * kv_heads * head_dim;
+        compute_args(
+            OP,
+            &[("dq", dq), ("dout", dout), ("out", out), ("q", q)],
+            q_len,
+        )?;
+        compute_args(OP, &[("dk", dk), ("dv", dv), ("k", k), ("v", v)], kv_len)?;
+        need(OP, "lse", lse, BufKind::Full)?;
+        check_len(OP, "lse", lse.len, tokens * q_heads)?;
+        let lists = work_lists(OP, segments, tokens, true)?;
+        self.fill_zero(dq)?;
+        self.fill_zero(dk)?;
+        self.fill_zero(dv)?;
+        if lists.n_query_tiles() == 0 {
+            return Ok(());
+        }
+        let segs = self.upload_index_to(&lists.segs)?;
+        let items = self.upload_index_to(&lists.query_tiles)?;
+        let key_tiles = self.upload_index_to(&lists.key_tiles)?;
+        let tile_ranges = self.upload_index_to(&lists.tile_ranges)?;
+        let ranges = self.upload_index_to(&lists.ranges)?;
+        let rows = tokens * q_heads;
+        let delta = self.alloc(rows, BufKind::Full)?;
+        self.launch(
+            Module::Attention,
+            "attention_backward_delta",
+            self.warp_rows(rows),
+            &[
+                self.p(&delta),
+                self.p(dout),
+                self.p(out),
+                i64_arg(rows),
+                int(OP, "head_dim", head_dim)?,
+            ],
+        )?;
+        let d = if head_dim == 64 { 64 } else { 128 };
+        let heads = [
+            int(OP, "q_heads", q_heads)?,
+            int(OP, "kv_heads", kv_heads)?,
+            Arg::F32(scale),
+        ];
+        let dq_kernel = if d == 64 {
+            "attention_backward_dq_d64"
+        } else {
+            "attention_backward_dq_d128"
+        };
+        let mut args = vec![
+            self.p(dq),
+            self.p(dout),
+            self.p(lse),
+            self.p(&delta),
+            self.p(q),
+            self.p(k),
+            self.p(v),
+            self.p(&segs),
+            self.p(&items),
+        ];
+        args.extend(heads);
+        self.launch(
+            Module::Attention,
+            dq_kernel,
+            cfg((lists.n_query_tiles() as u32, q_heads as u32, 1), TILE * 4),
+            &args,
+        )?;
+        let dkdv_kernel = if d == 64 {
+            "attention_backward_dkdv_d64"
+        } else {
+            "attention_backward_dkdv_d128"
+        };
+        let mut args = vec![
+            self.p(dk),
+            self.p(dv),
+            self.p(dout),
+            self.p(lse),
+            self.p(&delta),
+            self.p(q),
+            self.p(k),
+            self.p(v),
+            self.p(&segs),
+            self.p(&key_tiles),
+            self.p(&tile_ranges),
+            self.p(&ranges),
+        ];
+        args.extend(heads);
+        self.launch(
+            Module::Attention,
+            dkdv_kernel,
+            cfg((lists.n_key_tiles() as u32, kv_heads as u32, 1), TILE * 4),
+            &args,
+        )
+    }
+
+    // ---- paged KV cache (sampling) ---------------------------------------------------
+
+    fn kv_cache_write(
+        &self,
+        k_cache: &mut CudaBuf,
+        v_cache: &mut CudaBuf,
+        k: &CudaBuf,
+        v: &CudaBuf,
+        slots: &CudaBuf,
+        kv_heads: usize,
+        head_dim: usize,
+    ) -> Result<()> {
+        const OP: &str = "kv_cache_write";
+        need(OP, "slots", slots, BufKind::Index)?;
+        let row = kv_heads * head_dim;
+        compute_args(OP, &[("k", k), ("v", v)], slots.len * row)?;
+        compute_args(
+            OP,
+            &[("k_cache", k_cache), ("v_cache", v_cache)],
+            k_cache.len,
+        )?;
+        if row == 0 || k_cache.len % row != 0 {
+            return Err(Error::Shape {
+                op: OP,
+                msg: format!(
+                    "cache of {} elements is not whole rows of {row}",
+                    k_cache.len
+                ),
+            });
+        }
+        self.launch(
+            Module::Attention,
+            "kv_cache_write",
+            self.rows_cols(slots.len, row),
+            &[
+                self.p(k_cache),
+                self.p(v_cache),
+                self.p(k),
+                self.p(v),
+                self.p(slots),
+                int(OP, "tokens", slots.len)?,
+                int(OP, "row", row)?,
+            ],
+        )
+    }
+
+    fn paged_attention(
+        &self,
+        out: &mut CudaBuf,
+        q: &CudaBuf,
+        k_cache: &CudaBuf,
+        v_cache: &CudaBuf,
+        layout: &PagedLayout<'_, Self>,
+        shape: AttnShape,
+    ) -> Result<()> {
+        const OP: &str = "paged_attention";
+        check_attn_shape(OP, &shape)?;
+        let AttnShape {
+            tokens,
+            q_heads,
+            kv_heads,
+            head_dim,
+            scale,
+        } = shape;
+        compute_args(OP, &[("q", q), ("out", out)], tokens * q_heads * head_dim)?;
+        compute_args(
+            OP,
+            &[("k_cache", k_cache), ("v_cache", v_cache)],
+            k_cache.len,
+        )?;
+        need(OP, "block_tables", layout.block_tables, BufKind::Index)?;
+        need(OP, "token_seq", layout.token_seq, BufKind::Index)?;
+        need(OP, "token_pos", layout.token_pos, BufKind::Index)?;
+        check_len(OP, "token_seq", layout.token_seq.len, tokens)?;
+        check_len(OP, "token_pos", layout.token_pos.len, tokens)?;
+        if layout.block_size == 0 || layout.max_blocks == 0 {
+            return Err(Error::Shape {
+                op: OP,
+                msg: "block_size and max_blocks must be positive".into(),
+            });
+        }
+        let heads_per_block = 4;
+        let kernel = if head_dim == 64 {
+            "paged_attention_d64"
+        } else {
+            "paged_attention_d128"
+        };
+        self.launch(
+            Module::Attention,
+            kernel,
+            cfg(
+                (tokens as u32, q_heads.div_ceil(heads_per_block) as u32, 1),
+                32 * heads_per_block as u32,
+            ),
+            &[
+                self.p(out),
+                self.p(q),
+                self.p(k_cache),
+                self.p(v_cache),
+                self.p(layout.block_tables),
+                self.p(layout.token_seq),
+                self.p(layout.token_pos),
+                int(OP, "max_blocks", layout.max_blocks)?,
+                int(OP, "block_size", layout.block_size)?,
+                int(OP, "q_heads", q_heads)?,
+                int(OP, "kv_heads", kv_heads)?,
+                Arg::F32(scale),
+            ],
+        )
+    }
+
+    // ---- SwiGLU ----------------------------------------------------------------------
+
+    fn swiglu_forward(&self, out: &mut CudaBuf, gate: &CudaBuf, up: &CudaBuf) -> Result<()> {
+        const OP: &str = "swiglu_forward";
+        let odt = float(OP, "out", out)?;
+        let gdt = float(OP, "gate", gate)?;
+        let udt = float(OP, "up", up)?;
+        check_len(OP, "gate", gate.len, out.len)?;
+        check_len(OP, "up", up.len, out.len)?;
+        self.launch(
+            Module::Elementwise,
+            "swiglu_forward",
+            self.grid_1d(out.len, 256),
+            &[
+                self.p(out),
+                odt,
+                self.p(gate),
+                gdt,
+                self.p(up),
+                udt,
+                i64_arg(out.len),
+            ],
+        )
+    }
+
+    fn swiglu_backward(
+        &self,
+        dgate: &mut CudaBuf,
+        dup: &mut CudaBuf,
+        dout: &CudaBuf,
+        gate: &CudaBuf,
+        up: &CudaBuf,
+    ) -> Result<()> {
+        const OP: &str = "swiglu_backward";
+        let n = dout.len;
+        let dgdt = float(OP, "dgate", dgate)?;
+        let dudt = float(OP, "dup", dup)?;
+        let ddt = float(OP, "dout", dout)?;
+        let gdt = float(OP, "gate", gate)?;
+        let udt = float(OP, "up", up)?;
+        for (name, len) in [
+            ("dgate", dgate.len),
+            ("dup", dup.len),
+            ("gate", gate.len),
+            ("up", up.len),
+        ] {
+            check_len(OP, name, len, n)?;
+        }
+        self.launch(
+            Module::Elementwise,
+            "swiglu_backward",
+            self.grid_1d(n, 256),
+            &[
+                self.p(dgate),
+                dgdt,
+                self.p(dup),
+                dudt,
+                self.p(dout),
+                ddt,
+                self.p(gate),
+                gdt,
+                self.p(up),
+                udt,
+                i64_arg(n),
+            ],
+        )
+    }
+
+    // ---- fused lm-head ---------------------------------------------------------------
+
+    fn lm_head_forward(
+        &self,
+        logprobs: &mut CudaBuf,
+        entropy: &mut CudaBuf,
+        lse: &mut CudaBuf,
+        hidden: &CudaBuf,
+        w: &CudaBuf,
+        targets: &CudaBuf,
+        spec: LmHead,
+    ) -> Result<()> {
+        const OP: &str = "lm_head_forward";
+        check_lm_head(OP, hidden, w, targets, &spec)?;
+        for (name, b) in [
+            ("logprobs", &*logprobs),
+            ("entropy", &*entropy),
+            ("lse", &*lse),
+        ] {
+            float(OP, name, b)?;
+            check_len(OP, name, b.len, spec.tokens)?;
+        }
+        let chunk = spec.chunk_rows.min(spec.tokens);
+        if chunk == 0 {
+            return Ok(());
+        }
+        let logits = self.alloc(chunk * spec.vocab, BufKind::Full)?;
+        let elem = super::device::elem_bytes(hidden.kind) as u64;
+        for start in (0..spec.tokens).step_by(spec.chunk_rows) {
+            let rows = spec.chunk_rows.min(spec.tokens - start);
+            self.gemm(
+                (self.ptr(&logits), BufKind::Full),
+                (
+                    self.ptr(hidden) + (start * spec.dim) as u64 * elem,
+                    hidden.kind,
+                ),
+                (self.ptr(w), w.kind),
+                Matmul {
+                    m: rows,
+                    n: spec.vocab,
+                    k: spec.dim,
+                    trans_a: false,
+                    trans_b: true,
+                },
+                spec.logit_scale,
+                0.0,
+            )?;
+            self.launch(
+                Module::LmHead,
+                "lm_head_forward_rows",
+                cfg((rows as u32, 1, 1), ROW_THREADS),
+                &[
+                    self.p(logprobs),
+                    Arg::I32(dtype_code(logprobs.kind)),
+                    self.p(entropy),
+                    Arg::I32(dtype_code(entropy.kind)),
+                    self.p(lse),
+                    Arg::I32(dtype_code(lse.kind)),
+                    self.p(&logits),
+                    self.p(targets),
+                    int(OP, "vocab", spec.vocab)?,
+                    int(OP, "start", start)?,
+                ],
+            )?;
+        }
+        Ok(())
+    }
+
+    fn lm_head_backward(
+        &self,
+        dhidden: &mut CudaBuf,
+        dw: &mut CudaBuf,
+        dlogprobs: &CudaBuf,
+        dentropy: &CudaBuf,
+        hidden: &CudaBuf,
+        w: &CudaBuf,
+        targets: &CudaBuf,
+        lse: &CudaBuf,
+        spec: LmHead,
+    ) -> Result<()> {
+        const OP: &str = "lm_head_backward";
+        check_lm_head(OP, hidden, w, targets, &spec)?;
+        float(OP, "dhidden", dhidden)?;
+        check_len(OP, "dhidden", dhidden.len, spec.tokens * spec.dim)?;
+        need(OP, "dw", dw, BufKind::Full)?;
+        check_len(OP, "dw", dw.len, spec.vocab * spec.dim)?;
+        for (name, b) in [
+            ("dlogprobs", dlogprobs),
+            ("dentropy", dentropy),
+            ("lse", lse),
+        ] {
+            float(OP, name, b)?;
+            check_len(OP, name, b.len, spec.tokens)?;
+        }
+        if hidden.kind != BufKind::Compute {
+            // d logits is bf16, and cuBLAS multiplies like types only.
+            return Err(Error::Kind {
+                op: OP,
+                arg: "hidden",
+                expected: BufKind::Compute,
+                got: hidden.kind,
+            });
+        }
+        let chunk = spec.chunk_rows.min(spec.tokens);
+        if chunk == 0 {
+            return Ok(());
+        }
+        let logits = self.alloc(chunk * spec.vocab, BufKind::Full)?;
+        let dlogits = self.alloc(chunk * spec.vocab, BufKind::Compute)?;
+        let h_elem = super::device::elem_bytes(hidden.kind) as u64;
+        let dh_elem = super::device::elem_bytes(dhidden.kind) as u64;
+        for start in (0..spec.tokens).step_by(spec.chunk_rows) {
+            let rows = spec.chunk_rows.min(spec.tokens - start);
+            let h_chunk = self.ptr(hidden) + (start * spec.dim) as u64 * h_elem;
+            self.gemm(
+                (self.ptr(&logits), BufKind::Full),
+                (h_chunk, hidden.kind),
+                (self.ptr(w), w.kind),
+                Matmul {
+                    m: rows,
+                    n: spec.vocab,
+                    k: spec.dim,
+                    trans_a: false,
+                    trans_b: true,
+                },
+                spec.logit_scale,
+                0.0,
+            )?;
+            self.launch(
+                Module::LmHead,
+                "lm_head_backward_rows",
+                cfg((rows as u32, 1, 1), ROW_THREADS),
+                &[
+                    self.p(&dlogits),
+                    self.p(&logits),
+                    self.p(lse),
+                    Arg::I32(dtype_code(lse.kind)),
+                    self.p(dlogprobs),
+                    Arg::I32(dtype_code(dlogprobs.kind)),
+                    self.p(dentropy),
+                    Arg::I32(dtype_code(dentropy.kind)),
+                    self.p(targets),
+                    int(OP, "vocab", spec.vocab)?,
+                    int(OP, "start", start)?,
+                    Arg::F32(spec.logit_scale),
+                ],
+            )?;
+            // dhidden[chunk] = dlogits · w
+            self.gemm(
+                (
+                    self.ptr(dhidden) + (start * spec.dim) as u64 * dh_elem,
+                    dhidden.kind,
+                ),
+                (self.ptr(&dlogits), BufKind::Compute),
+                (self.ptr(w), w.kind),
+                Matmul {
+                    m: rows,
+                    n: spec.dim,
+                    k: spec.vocab,
+                    trans_a: false,
+                    trans_b: false,
+                },
+                1.0,
+                0.0,
+            )?;
+            // dw += dlogitsᵀ · hidden[chunk]
+            self.gemm(
+                (self.ptr(dw), BufKind::Full),
+                (self.ptr(&dlogits), BufKind::Compute),
+                (h_chunk, hidden.kind),
+                Matmul {
+                    m: spec.vocab,
+                    n: spec.dim,
+                    k: rows,
+                    trans_a: true,
+                    trans_b: false,
+                },
+                1.0,
+                1.0,
+            )?;
+        }
+        Ok(())
+    }
+
+    // ---- sampling --------------------------------------------------------------------
+
+    fn sample(&self, logits: &CudaBuf, vocab: usize, rows: &[SamplingRow]) -> Result<Vec<Sampled>> {
+        const OP: &str = "sample";
+        let dt = float(OP, "logits", logits)?;
+        check_len(OP, "logits", logits.len, rows.len() * vocab)?;
+        if vocab == 0 {
+            return Err(Error::Shape {
+                op: OP,
+                msg: "vocab must be positive".into(),
+            });
+        }
+        if rows.is_empty() {
+            return Ok(Vec::new());
+        }
+        let n = rows.len();
+        let temperature: Vec<f32> = rows.iter().map(|r| r.temperature).collect();
+        let top_k: Vec<i32> = rows.iter().map(|r| r.top_k).collect();
+        let top_p: Vec<f32> = rows.iter().map(|r| r.top_p).collect();
+        let min_p: Vec<f32> = rows.iter().map(|r| r.min_p).collect();
+        // The draw's uniform comes from the same function the CPU uses.
+        let uniforms: Vec<f64> = rows
+            .iter()
+            .map(|r| sampling::uniform(r.seed, r.offset))
+            .collect();
+        let s = &self.stream;
+        let temperature = s.clone_htod(&temperature)?;
+        let top_k = s.clone_htod(&top_k)?;
+        let top_p = s.clone_htod(&top_p)?;
+        let min_p = s.clone_htod(&min_p)?;
+        let uniforms = s.clone_htod(&uniforms)?;
+        let tokens = s.alloc_zeros::<u32>(n)?;
+        let logprobs = s.alloc_zeros::<f32>(n)?;
+        let ptr = |x: u64| Arg::Ptr(x);
+        use cudarc::driver::DevicePtr;
+        self.launch(
+            Module::Sampling,
+            "sample_rows",
+            cfg((n as u32, 1, 1), 1024),
+            &[
+                ptr(tokens.device_ptr(s).0),
+                ptr(logprobs.device_ptr(s).0),
+                self.p(logits),
+                dt,
+                int(OP, "vocab", vocab)?,
+                ptr(temperature.device_ptr(s).0),
+                ptr(top_k.device_ptr(s).0),
+                ptr(top_p.device_ptr(s).0),
+                ptr(min_p.device_ptr(s).0),
+                ptr(uniforms.device_ptr(s).0),
+            ],
+        )?;
+        let tokens = s.clone_dtoh(&tokens)?;
+        let logprobs = s.clone_dtoh(&logprobs)?;
+        s.synchronize()?;
+        Ok(tokens
+            .into_iter()
+            .zip(logprobs)
+            .map(|(token, logprob)| Sampled { token, logprob })
+            .collect())
+    }
+
+    // ---- optimizer -------------------------------------------------------------------
+
+    fn adamw(
+        &self,
+        param: &mut CudaBuf,
+        grad: &CudaBuf,
+        m: &mut CudaBuf,
+        v: &mut CudaBuf,
+        compute: Option<&mut CudaBuf>,
+        hp: AdamW,
+    ) -> Result<()> {
+        const OP: &str = "adamw";
+        if hp.step == 0 {
+            return Err(Error::Shape {
+                op: OP,
+                msg: "`step` is 1-based; got 0".into(),
+            });
+        }
+        for (name, b) in [("param", &*param), ("grad", grad), ("m", &*m), ("v", &*v)] {
+            need(OP, name, b, BufKind::Full)?;
+        }
+        let n = param.len;
+        check_len(OP, "grad", grad.len, n)?;
+        check_len(OP, "m", m.len, n)?;
+        check_len(OP, "v", v.len, n)?;
+        let (cptr, cdt) = match compute {
+            Some(c) => {
+                let cdt = float(OP, "compute", c)?;
+                check_len(OP, "compute", c.len, n)?;
+                (self.p(c), cdt)
+            }
+            None => (Arg::Ptr(0), Arg::I32(0)),
+        };
+        let step = i32::try_from(hp.step).unwrap_or(i32::MAX);
+        let bias1 = 1.0 - f64::from(hp.beta1).powi(step);
+        let bias2 = 1.0 - f64::from(hp.beta2).powi(step);
+        self.launch(
+            Module::Elementwise,
+            "adamw",
+            self.grid_1d(n, 256),
+            &[
+                self.p(param),
+                self.p(grad),
+                Arg::I32(1),
+                self.p(m),
+                self.p(v),
+                cptr,
+                cdt,
+                Arg::F32(hp.lr),
+                Arg::F32(hp.beta1),
+                Arg::F32(hp.beta2),
+                Arg::F32(hp.eps),
+                Arg::F32(hp.weight_decay),
+                Arg::F32(hp.grad_scale),
+                Arg::F32(bias1 as f32),
+                Arg::F32(bias2 as f32),
+                i64_arg(n),
+            ],
+        )
+    }
+}
+
+/// Checks the shared arguments of the two lm-head ops.
+fn check_lm_head(
+    op: &'static str,
+    hidden: &CudaBuf,
+    w: &CudaBuf,
+    targets: &CudaBuf,
+    spec: &LmHead,
+) -> Result<()> {
+    float(op, "hidden", hidden)?;
+    float(op, "w", w)?;
+    need(op, "targets", targets, BufKind::Index)?;
+    check_len(op, "hidden", hidden.len, spec.tokens * spec.dim)?;
+    check_len(op, "w", w.len, spec.vocab * spec.dim)?;
+    check_len(op, "targets", targets.len, spec.tokens)?;
+    if hidden.kind != w.kind {
+        return Err(Error::Kind {
+            op,
+            arg: "w",
+            expected: hidden.kind,
+            got: w.kind,
+        });
+    }
+    if spec.chunk_rows == 0 && spec.tokens > 0 {
+        return Err(Error::Shape {
+            op,
+            msg: "chunk_rows must be positive".into(),
+        });
+    }
+    Ok(())
+}
+
+/// Re-labels an error raised by a shared implementation with the op the caller called.
+fn rename(e: Error, op: &'static str) -> Error {
+    match e {
+        Error::Shape { msg, .. } => Error::Shape { op, msg },
+        Error::Kind {
+            arg, expected, got, ..
+        } => Error::Kind {
+            op,
+            arg,
+            expected,
+            got,
+        },
+        other => other,
+    }
+}
