@@ -210,6 +210,13 @@ pub trait Backend: Send + Sync + 'static {
 
     // ---- buffers ---------------------------------------------------------------------
 
+    /// Bytes one element of a buffer of `kind` takes in device memory (for memory
+    /// budgeting, e.g. KV-cache blocks). The default, 4, fits f32 and `u32` storage;
+    /// backends that store a kind narrower or wider override it.
+    fn element_bytes(&self, kind: BufKind) -> usize {
+        let _ = kind;
+        4
+    }
     /// Number of elements in `buf`.
     fn len(&self, buf: &Self::Buf) -> usize;
     /// The role `buf` was allocated with.

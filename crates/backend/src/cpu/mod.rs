@@ -276,6 +276,13 @@ impl<T: CpuFloat> Backend for CpuBackend<T> {
 
     // ---- buffers -----------------------------------------------------------------------
 
+    fn element_bytes(&self, kind: BufKind) -> usize {
+        match kind {
+            BufKind::Index => std::mem::size_of::<u32>(),
+            BufKind::Compute | BufKind::Full => std::mem::size_of::<T>(),
+        }
+    }
+
     fn len(&self, buf: &CpuBuf<T>) -> usize {
         match buf {
             CpuBuf::Float { data, .. } => data.len(),
