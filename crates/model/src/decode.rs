@@ -1,1 +1,222 @@
-//! (in progress: compute core)
+//! KV-cached forward for sampling: new tokens of many sequences in one call (prefill,
+//! chunked prefill and decoding alike), keys and values kept in a paged cache whose
+//! blocks sequences may share.
+//!
+//! The cache of each layer is `[num_blocks, block_size, kv_heads, head_dim]` for keys and
+//! the same for values. Sequence `s` keeps its positions in the blocks listed in row `s`
+//! of the block tables (see [`floe_backend::PagedLayout`]); the engine's block manager
+//! decides which blocks a sequence owns and which it shares.
+
+use floe_backend::{Backend, BufKind, Matmul, PagedLayout};
+
+use crate::transformer::{Attend, LayerActs, ModelError, Result, Transformer};
+
+/// The paged KV cache of every layer.
+pub struct KvCache<B: Backend> {
+    /// Per layer: `(keys, values)`, each `[num_blocks, block_size, kv_heads, head_dim]`
+    /// (Compute).
+    layers: Vec<(B::Buf, B::Buf)>,
+    /// Blocks in each layer's cache.
+    pub num_blocks: usize,
+    /// Token slots per block.
+    pub block_size: usize,
+}
+
+/// The new tokens of one [`Transformer::forward_cached`] call.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct CachedInput {
+    /// `[T]` token ids to run.
+    pub tokens: Vec<u32>,
+    /// `[T]` sequence (row of `block_tables`) of each token.
+    pub token_seq: Vec<u32>,
+    /// `[T]` position of each token in its sequence; every earlier position of that
+    /// sequence must be in the cache already or be among this call's tokens.
+    pub token_pos: Vec<u32>,
+    /// `[T]` cache slot of each token: `block_tables[seq][pos / block_size] · block_size +
+    /// pos % block_size`.
+    pub slots: Vec<u32>,
+    /// `[n_seqs, max_blocks]` physical block ids of each sequence.
+    pub block_tables: Vec<u32>,
+    /// Columns of `block_tables`.
+    pub max_blocks: usize,
+    /// Rows (indices into `tokens`) whose logits to return, usually each sequence's last
+    /// new token.
+    pub logit_rows: Vec<u32>,
+}
+
+impl CachedInput {
+    /// Checks lengths, ids and that every slot agrees with the block tables.
+    fn validate(&self, vocab: usize, cache_blocks: usize, block_size: usize) -> Result<()> {
+        let bad = |msg: String| Err(ModelError::Input(format!("cached input: {msg}")));
+        let t = self.tokens.len();
+        if t == 0 {
+            return bad("no tokens".into());
+        }
+        for (what, len) in [
+            ("token_seq", self.token_seq.len()),
+            ("token_pos", self.token_pos.len()),
+            ("slots", self.slots.len()),
+        ] {
+            if len != t {
+                return bad(format!("{what} has {len} entries for {t} tokens"));
+            }
+        }
+        if self.max_blocks == 0 || self.block_tables.len() % self.max_blocks != 0 {
+            return bad(format!(
+                "block_tables has {} entries, not whole rows of max_blocks {}",
+                self.block_tables.len(),
+                self.max_blocks
+            ));
+        }
+        let n_seqs = self.block_tables.len() / self.max_blocks;
+        if let Some(i) = self.tokens.iter().position(|&id| id as usize >= vocab) {
+            return bad(format!(
+                "tokens[{i}] = {} is not below vocab_size {vocab}",
+                self.tokens[i]
+            ));
+        }
+        if let Some(i) = self
+            .block_tables
+            .iter()
+            .position(|&b| b as usize >= cache_blocks)
+        {
+            return bad(format!(
+                "block_tables[{i}] = {} is not below the cache's {cache_blocks} blocks",
+                self.block_tables[i]
+            ));
+        }
+        if let Some(i) = self.logit_rows.iter().position(|&r| r as usize >= t) {
+            return bad(format!(
+                "logit_rows[{i}] = {} is not below {t} tokens",
+                self.logit_rows[i]
+            ));
+        }
+        for i in 0..t {
+            let (seq, pos) = (self.token_seq[i] as usize, self.token_pos[i] as usize);
+            if seq >= n_seqs {
+                return bad(format!(
+                    "token_seq[{i}] = {seq} has no row among {n_seqs} block tables"
+                ));
+            }
+            let col = pos / block_size;
+            if col >= self.max_blocks {
+                return bad(format!(
+                    "token_pos[{i}] = {pos} needs block column {col}, max_blocks is {}",
+                    self.max_blocks
+                ));
+            }
+            let want = self.block_tables[seq * self.max_blocks + col] as usize * block_size
+                + pos % block_size;
+            if self.slots[i] as usize != want {
+                return bad(format!(
+                    "slots[{i}] = {} but sequence {seq} position {pos} lives in slot {want}",
+                    self.slots[i]
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl<B: Backend> Transformer<B> {
+    /// A zeroed cache of `num_blocks` blocks of `block_size` tokens for every layer.
+    pub fn new_kv_cache(&self, num_blocks: usize, block_size: usize) -> Result<KvCache<B>> {
+        if num_blocks == 0 || block_size == 0 {
+            return Err(ModelError::Input(format!(
+                "kv cache: num_blocks ({num_blocks}) and block_size ({block_size}) must be positive"
+            )));
+        }
+        let len = num_blocks * block_size * self.config.kv_dim();
+        let layers = (0..self.config.num_hidden_layers)
+            .map(|_| {
+                Ok((
+                    self.backend.zeros(len, BufKind::Compute)?,
+                    self.backend.zeros(len, BufKind::Compute)?,
+                ))
+            })
+            .collect::<Result<_>>()?;
+        Ok(KvCache {
+            layers,
+            num_blocks,
+            block_size,
+        })
+    }
+
+    /// Device bytes one cache block of `block_size` tokens takes over all layers (keys and
+    /// values), for memory budgeting.
+    pub fn kv_cache_bytes_per_block(&self, block_size: usize) -> usize {
+        2 * self.config.num_hidden_layers
+            * block_size
+            * self.config.kv_dim()
+            * self.backend.element_bytes(BufKind::Compute)
+    }
+
+    /// Runs `input`'s new tokens through the model: writes their keys and values into the
+    /// cache at `slots`, attends over each sequence's cached positions `0..=pos`, and
+    /// returns the Compute logits `[logit_rows.len(), vocab]` of the requested rows
+    /// (unscaled: temperature is the sampler's business).
+    pub fn forward_cached(&self, cache: &mut KvCache<B>, input: &CachedInput) -> Result<B::Buf> {
+        let c = &self.config;
+        input.validate(c.vocab_size, cache.num_blocks, cache.block_size)?;
+        let b = &*self.backend;
+        let (t, h, vocab) = (input.tokens.len(), c.hidden_size, c.vocab_size);
+        let w = self.weights();
+
+        let ids = b.upload_index(&input.tokens)?;
+        let token_seq = b.upload_index(&input.token_seq)?;
+        let token_pos = b.upload_index(&input.token_pos)?;
+        let slots = b.upload_index(&input.slots)?;
+        let block_tables = b.upload_index(&input.block_tables)?;
+        let max_context = input.token_pos.iter().max().map_or(0, |&p| p as usize + 1);
+
+        // [T, hidden] residual stream, ping-ponged between two buffers.
+        let mut x = b.zeros(t * h, BufKind::Compute)?;
+        let mut next = b.zeros(t * h, BufKind::Compute)?;
+        let mut acts = LayerActs::new(b, c, t)?;
+        b.embedding_forward(&mut x, &w.embed, &ids, h)?;
+        for (wl, (k_cache, v_cache)) in w.layers.iter().zip(cache.layers.iter_mut()) {
+            let attend = Attend::Paged {
+                slots: &slots,
+                layout: PagedLayout {
+                    block_tables: &block_tables,
+                    max_blocks: input.max_blocks,
+                    block_size: cache.block_size,
+                    token_seq: &token_seq,
+                    token_pos: &token_pos,
+                    max_context,
+                },
+                k_cache,
+                v_cache,
+            };
+            self.layer_forward(wl, &x, &mut next, &mut acts, &token_pos, attend)?;
+            std::mem::swap(&mut x, &mut next);
+        }
+
+        // Only the requested rows go through the final norm and the lm-head.
+        let r = input.logit_rows.len();
+        let rows = b.upload_index(&input.logit_rows)?;
+        let mut last = b.zeros(r * h, BufKind::Compute)?;
+        b.gather_rows(&mut last, &x, &rows, h)?;
+        let mut normed = b.zeros(r * h, BufKind::Compute)?;
+        let mut rstd = b.zeros(r, BufKind::Full)?;
+        b.rmsnorm_forward(
+            &mut normed,
+            &mut rstd,
+            &last,
+            &w.final_norm,
+            r,
+            h,
+            c.rms_norm_eps,
+        )?;
+        let mut logits = b.zeros(r * vocab, BufKind::Compute)?;
+        let dims = Matmul {
+            m: r,
+            n: vocab,
+            k: h,
+            trans_a: false,
+            trans_b: true,
+        };
+        b.matmul(&mut logits, &normed, w.lm_head(), dims, false)?;
+        Ok(logits)
+    }
+}

@@ -1,1 +1,1261 @@
-//! (in progress: compute core)
+//! The decoder (Qwen3, Qwen2, Llama) on any [`Backend`], forward and hand-written
+//! backward side by side.
+//!
+//! # Buffers
+//! - **Parameters** ([`Params`]): one struct per layer ([`Layer`]) with a shape comment on
+//!   each field, in Full storage (the master weights the optimizer updates). When the
+//!   backend's Compute storage differs (`!compute_is_full()`, e.g. bf16 on CUDA) a second
+//!   `Params` holds Compute copies that every forward reads; the optimizer refreshes them.
+//! - **Gradients**: a `Params` of Full buffers, allocated on the first backward;
+//!   every backward accumulates into them, so micro-batches sum until [`Transformer::zero_grad`].
+//! - **Activations** ([`Activations`]): per call, `[T, …]` token-major. The residual
+//!   stream entering each layer is always kept; each layer's internals ([`LayerActs`]) are
+//!   kept for every layer, or (with [`Transformer::set_recompute`]) for one layer at a
+//!   time and recomputed from the layer's input during the backward.
+//!
+//! # Forward, per layer (`x` is the residual stream `[T, hidden]`)
+//! `ln1 = rmsnorm(x)` → `q, k, v = ln1·Wᵀ (+ bias)` → (`qk_norm`) per-head RMSNorm of q
+//! and k → RoPE on q, k → causal attention over the batch's segments → `resid = x +
+//! att·Woᵀ` → `ln2 = rmsnorm(resid)` → `gate, up = ln2·Wᵀ` → `act = silu(gate)·up` →
+//! `out = resid + act·W_downᵀ`. Then the final RMSNorm and the fused lm-head, which yields
+//! per-token log-probs and entropies without materialising `[T, vocab]` logits.
+//!
+//! # Backward
+//! The same steps in reverse with one running gradient of the residual stream: lm-head →
+//! final norm → per layer (last first): `W_down` → SwiGLU → `W_gate`, `W_up` → `ln2`
+//! (added to the residual gradient) → `Wo` → attention → inverse RoPE → q/k norms →
+//! biases → `Wq`, `Wk`, `Wv` → `ln1` (added to the residual gradient) → embedding. With a
+//! tied lm-head the embedding table's gradient receives both contributions.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use floe_backend::{AttnShape, Backend, BufKind, LmHead, Matmul, PagedLayout, Segment};
+
+use crate::batch::{BatchError, PackedBatch, TokenStats};
+use crate::config::ModelConfig;
+use crate::weights::{check_weights, tensor_specs, HostTensor, WeightsError};
+
+/// Why a model operation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    /// A backend op rejected its arguments or the device failed.
+    #[error(transparent)]
+    Backend(#[from] floe_backend::Error),
+    /// Host weights are missing a tensor or have a wrong shape.
+    #[error(transparent)]
+    Weights(#[from] WeightsError),
+    /// The packed batch is malformed.
+    #[error(transparent)]
+    Batch(#[from] BatchError),
+    /// The configuration cannot be run.
+    #[error("model config: {0}")]
+    Config(String),
+    /// An input is out of range (names the field and row).
+    #[error("{0}")]
+    Input(String),
+    /// The loss-gradient callback of [`Transformer::forward_backward`] failed.
+    #[error("loss gradient: {0}")]
+    LossGrad(Box<dyn std::error::Error + Send + Sync>),
+}
+
+/// Result of model operations.
+pub type Result<T> = std::result::Result<T, ModelError>;
+
+/// One decoder layer's tensors: its weights, or their gradients. Rows are output features
+/// (Hugging Face `[out, in]` layout).
+pub(crate) struct Layer<Buf> {
+    /// `[hidden]` `input_layernorm`.
+    pub input_norm: Buf,
+    /// `[q_heads · head_dim, hidden]` `q_proj`.
+    pub wq: Buf,
+    /// `[q_heads · head_dim]` `q_proj.bias` (`attention_bias`).
+    pub bq: Option<Buf>,
+    /// `[kv_heads · head_dim, hidden]` `k_proj`.
+    pub wk: Buf,
+    /// `[kv_heads · head_dim]` `k_proj.bias` (`attention_bias`).
+    pub bk: Option<Buf>,
+    /// `[kv_heads · head_dim, hidden]` `v_proj`.
+    pub wv: Buf,
+    /// `[kv_heads · head_dim]` `v_proj.bias` (`attention_bias`).
+    pub bv: Option<Buf>,
+    /// `[hidden, q_heads · head_dim]` `o_proj`.
+    pub wo: Buf,
+    /// `[head_dim]` `q_norm` (`qk_norm`).
+    pub q_norm: Option<Buf>,
+    /// `[head_dim]` `k_norm` (`qk_norm`).
+    pub k_norm: Option<Buf>,
+    /// `[hidden]` `post_attention_layernorm`.
+    pub post_norm: Buf,
+    /// `[intermediate, hidden]` `gate_proj`.
+    pub w_gate: Buf,
+    /// `[intermediate, hidden]` `up_proj`.
+    pub w_up: Buf,
+    /// `[hidden, intermediate]` `down_proj`.
+    pub w_down: Buf,
+}
+
+/// Every tensor of the model (weights or gradients), in the order of [`tensor_specs`].
+pub(crate) struct Params<Buf> {
+    /// `[vocab, hidden]` `embed_tokens`.
+    pub embed: Buf,
+    /// The decoder layers.
+    pub layers: Vec<Layer<Buf>>,
+    /// `[hidden]` `model.norm`.
+    pub final_norm: Buf,
+    /// `[vocab, hidden]` `lm_head`, absent when tied to `embed`.
+    pub lm_head: Option<Buf>,
+}
+
+impl<Buf> Params<Buf> {
+    /// Builds every tensor in [`tensor_specs`] order with `make(name, shape)`.
+    fn build(
+        config: &ModelConfig,
+        mut make: impl FnMut(&str, &[usize]) -> Result<Buf>,
+    ) -> Result<Self> {
+        let specs = tensor_specs(config);
+        let mut specs = specs.iter();
+        let mut next = || -> Result<Buf> {
+            let (name, shape) = specs
+                .next()
+                .expect("tensor_specs lists every tensor Params holds");
+            make(name, shape)
+        };
+        let embed = next()?;
+        let mut layers = Vec::with_capacity(config.num_hidden_layers);
+        let (bias, qk) = (config.attention_bias, config.qk_norm);
+        for _ in 0..config.num_hidden_layers {
+            let input_norm = next()?;
+            let wq = next()?;
+            let bq = bias.then(&mut next).transpose()?;
+            let wk = next()?;
+            let bk = bias.then(&mut next).transpose()?;
+            let wv = next()?;
+            let bv = bias.then(&mut next).transpose()?;
+            let wo = next()?;
+            let q_norm = qk.then(&mut next).transpose()?;
+            let k_norm = qk.then(&mut next).transpose()?;
+            layers.push(Layer {
+                input_norm,
+                wq,
+                bq,
+                wk,
+                bk,
+                wv,
+                bv,
+                wo,
+                q_norm,
+                k_norm,
+                post_norm: next()?,
+                w_gate: next()?,
+                w_up: next()?,
+                w_down: next()?,
+            });
+        }
+        let final_norm = next()?;
+        let lm_head = (!config.tie_word_embeddings).then(&mut next).transpose()?;
+        Ok(Self {
+            embed,
+            layers,
+            final_norm,
+            lm_head,
+        })
+    }
+
+    /// Every tensor, in [`tensor_specs`] order.
+    fn tensors(&self) -> Vec<&Buf> {
+        let mut all = vec![&self.embed];
+        for l in &self.layers {
+            all.push(&l.input_norm);
+            all.push(&l.wq);
+            all.extend(&l.bq);
+            all.push(&l.wk);
+            all.extend(&l.bk);
+            all.push(&l.wv);
+            all.extend(&l.bv);
+            all.push(&l.wo);
+            all.extend(&l.q_norm);
+            all.extend(&l.k_norm);
+            all.extend([&l.post_norm, &l.w_gate, &l.w_up, &l.w_down]);
+        }
+        all.push(&self.final_norm);
+        all.extend(&self.lm_head);
+        all
+    }
+
+    /// Every tensor mutably, in [`tensor_specs`] order.
+    fn tensors_mut(&mut self) -> Vec<&mut Buf> {
+        let mut all = vec![&mut self.embed];
+        for l in &mut self.layers {
+            all.push(&mut l.input_norm);
+            all.push(&mut l.wq);
+            all.extend(&mut l.bq);
+            all.push(&mut l.wk);
+            all.extend(&mut l.bk);
+            all.push(&mut l.wv);
+            all.extend(&mut l.bv);
+            all.push(&mut l.wo);
+            all.extend(&mut l.q_norm);
+            all.extend(&mut l.k_norm);
+            all.extend([&mut l.post_norm, &mut l.w_gate, &mut l.w_up, &mut l.w_down]);
+        }
+        all.push(&mut self.final_norm);
+        all.extend(&mut self.lm_head);
+        all
+    }
+
+    /// The lm-head weight: its own tensor, or the embedding when tied.
+    pub fn lm_head(&self) -> &Buf {
+        self.lm_head.as_ref().unwrap_or(&self.embed)
+    }
+}
+
+/// What one layer's forward saves for its backward; rows are the `T` tokens.
+pub(crate) struct LayerActs<Buf> {
+    /// `[T, hidden]` `input_layernorm` output.
+    pub ln1: Buf,
+    /// `[T]` (Full) its `rstd`.
+    pub ln1_rstd: Buf,
+    /// `[T, q_heads, head_dim]` query projection (+ bias) before `q_norm` (`qk_norm`).
+    pub q_raw: Option<Buf>,
+    /// `[T, kv_heads, head_dim]` key projection (+ bias) before `k_norm` (`qk_norm`).
+    pub k_raw: Option<Buf>,
+    /// `[T · q_heads]` (Full) `q_norm` rstd (`qk_norm`).
+    pub q_rstd: Option<Buf>,
+    /// `[T · kv_heads]` (Full) `k_norm` rstd (`qk_norm`).
+    pub k_rstd: Option<Buf>,
+    /// `[T, q_heads, head_dim]` queries as attention reads them (normed, rotated).
+    pub q: Buf,
+    /// `[T, kv_heads, head_dim]` keys as attention reads them.
+    pub k: Buf,
+    /// `[T, kv_heads, head_dim]` values.
+    pub v: Buf,
+    /// `[T, q_heads, head_dim]` attention output.
+    pub att: Buf,
+    /// `[T, q_heads]` (Full) attention log-sum-exp.
+    pub att_lse: Buf,
+    /// `[T, hidden]` layer input + `o_proj(att)`.
+    pub resid: Buf,
+    /// `[T, hidden]` `post_attention_layernorm` output.
+    pub ln2: Buf,
+    /// `[T]` (Full) its `rstd`.
+    pub ln2_rstd: Buf,
+    /// `[T, intermediate]` `gate_proj` output.
+    pub gate: Buf,
+    /// `[T, intermediate]` `up_proj` output.
+    pub up: Buf,
+    /// `[T, intermediate]` `silu(gate) · up`.
+    pub act: Buf,
+}
+
+impl<Buf> LayerActs<Buf> {
+    pub(crate) fn new<B: Backend<Buf = Buf>>(b: &B, c: &ModelConfig, t: usize) -> Result<Self> {
+        let (h, i) = (c.hidden_size, c.intermediate_size);
+        let (q, kv) = (c.q_dim(), c.kv_dim());
+        let (hq, hkv) = (c.num_attention_heads, c.num_key_value_heads);
+        let compute = |n: usize| b.zeros(n, BufKind::Compute);
+        let full = |n: usize| b.zeros(n, BufKind::Full);
+        let qk = c.qk_norm;
+        Ok(Self {
+            ln1: compute(t * h)?,
+            ln1_rstd: full(t)?,
+            q_raw: qk.then(|| compute(t * q)).transpose()?,
+            k_raw: qk.then(|| compute(t * kv)).transpose()?,
+            q_rstd: qk.then(|| full(t * hq)).transpose()?,
+            k_rstd: qk.then(|| full(t * hkv)).transpose()?,
+            q: compute(t * q)?,
+            k: compute(t * kv)?,
+            v: compute(t * kv)?,
+            att: compute(t * q)?,
+            att_lse: full(t * hq)?,
+            resid: compute(t * h)?,
+            ln2: compute(t * h)?,
+            ln2_rstd: full(t)?,
+            gate: compute(t * i)?,
+            up: compute(t * i)?,
+            act: compute(t * i)?,
+        })
+    }
+}
+
+/// Gradients of activations during the backward, reused across layers.
+struct GradScratch<Buf> {
+    /// `[T, hidden]` running gradient of the residual stream.
+    d_resid: Buf,
+    /// `[T, hidden]` gradient of a norm's input, before it joins `d_resid`.
+    d_norm_in: Buf,
+    /// `[T, hidden]` gradient of a norm's output (`ln1`, `ln2`, final norm).
+    d_norm_out: Buf,
+    /// `[T, q_heads, head_dim]` gradient of the attention output.
+    d_att: Buf,
+    /// `[T, q_heads, head_dim]` gradient of the queries attention read.
+    d_q: Buf,
+    /// `[T, kv_heads, head_dim]` gradient of the keys.
+    d_k: Buf,
+    /// `[T, kv_heads, head_dim]` gradient of the values.
+    d_v: Buf,
+    /// `[T, q_heads, head_dim]` gradient of the query projection (`qk_norm`).
+    d_q_raw: Option<Buf>,
+    /// `[T, kv_heads, head_dim]` gradient of the key projection (`qk_norm`).
+    d_k_raw: Option<Buf>,
+    /// `[T, intermediate]` gradient of `act`.
+    d_act: Buf,
+    /// `[T, intermediate]` gradient of `gate`.
+    d_gate: Buf,
+    /// `[T, intermediate]` gradient of `up`.
+    d_up: Buf,
+    /// `[T, hidden]` output of a recomputed layer (unused; `recompute` only).
+    recompute_out: Option<Buf>,
+}
+
+impl<Buf> GradScratch<Buf> {
+    fn new<B: Backend<Buf = Buf>>(
+        b: &B,
+        c: &ModelConfig,
+        t: usize,
+        recompute: bool,
+    ) -> Result<Self> {
+        let (h, i) = (c.hidden_size, c.intermediate_size);
+        let (q, kv) = (c.q_dim(), c.kv_dim());
+        let compute = |n: usize| b.zeros(n, BufKind::Compute);
+        Ok(Self {
+            d_resid: compute(t * h)?,
+            d_norm_in: compute(t * h)?,
+            d_norm_out: compute(t * h)?,
+            d_att: compute(t * q)?,
+            d_q: compute(t * q)?,
+            d_k: compute(t * kv)?,
+            d_v: compute(t * kv)?,
+            d_q_raw: c.qk_norm.then(|| compute(t * q)).transpose()?,
+            d_k_raw: c.qk_norm.then(|| compute(t * kv)).transpose()?,
+            d_act: compute(t * i)?,
+            d_gate: compute(t * i)?,
+            d_up: compute(t * i)?,
+            recompute_out: recompute.then(|| compute(t * h)).transpose()?,
+        })
+    }
+}
+
+/// The activations of one call over `T` tokens.
+struct Activations<Buf> {
+    /// Rows this set was allocated for.
+    tokens: usize,
+    /// `[L + 1] × [T, hidden]`: the input of each layer, then the last layer's output.
+    residual: Vec<Buf>,
+    /// Per-layer internals: `L` of them, or one reused by every layer (recompute, or a
+    /// forward without backward).
+    layers: Vec<LayerActs<Buf>>,
+    /// `[T, hidden]` final RMSNorm output (the lm-head input).
+    final_out: Buf,
+    /// `[T]` (Full) its `rstd`.
+    final_rstd: Buf,
+    /// `[T]` (Full) log-prob of each target.
+    logprobs: Buf,
+    /// `[T]` (Full) entropy of each row.
+    entropy: Buf,
+    /// `[T]` (Full) lm-head log-sum-exp.
+    lse: Buf,
+    /// Backward scratch (training only).
+    grad: Option<GradScratch<Buf>>,
+}
+
+impl<Buf> Activations<Buf> {
+    fn new<B: Backend<Buf = Buf>>(
+        b: &B,
+        c: &ModelConfig,
+        t: usize,
+        layer_slots: usize,
+        grad: Option<bool>,
+    ) -> Result<Self> {
+        let h = c.hidden_size;
+        Ok(Self {
+            tokens: t,
+            residual: (0..=c.num_hidden_layers)
+                .map(|_| b.zeros(t * h, BufKind::Compute))
+                .collect::<std::result::Result<_, _>>()?,
+            layers: (0..layer_slots)
+                .map(|_| LayerActs::new(b, c, t))
+                .collect::<Result<_>>()?,
+            final_out: b.zeros(t * h, BufKind::Compute)?,
+            final_rstd: b.zeros(t, BufKind::Full)?,
+            logprobs: b.zeros(t, BufKind::Full)?,
+            entropy: b.zeros(t, BufKind::Full)?,
+            lse: b.zeros(t, BufKind::Full)?,
+            grad: grad
+                .map(|recompute| GradScratch::new(b, c, t, recompute))
+                .transpose()?,
+        })
+    }
+}
+
+/// How a layer's attention finds its keys and values.
+pub(crate) enum Attend<'a, B: Backend> {
+    /// Packed training/scoring batch: attention within segments.
+    Packed {
+        /// The batch's segments.
+        segments: &'a [Segment],
+        /// Some rows belong to no segment, so the attention output must start zeroed.
+        uncovered_rows: bool,
+    },
+    /// Cached decoding: write this call's keys and values at `slots`, then attend over the
+    /// cache of this layer.
+    Paged {
+        /// `[T]` Index: cache slot of each new token.
+        slots: &'a B::Buf,
+        /// Block tables and token placement.
+        layout: PagedLayout<'a, B>,
+        /// `[num_blocks, block_size, kv_heads, head_dim]` this layer's key cache.
+        k_cache: &'a mut B::Buf,
+        /// Same shape: this layer's value cache.
+        v_cache: &'a mut B::Buf,
+    },
+}
+
+/// The callback of [`Transformer::forward_backward`]: from the forward's per-row stats,
+/// `(dL/dlogprob, dL/dentropy)`, one entry per row.
+pub type LossGradFn<'a> = dyn FnMut(&TokenStats) -> Result<(Vec<f64>, Vec<f64>)> + 'a;
+
+/// One parameter as the optimizer sees it, from [`Transformer::visit_params`].
+pub struct ParamSlot<'a, B: Backend> {
+    /// The Full master weights.
+    pub param: &'a mut B::Buf,
+    /// Its accumulated gradient (Full).
+    pub grad: &'a B::Buf,
+    /// The Compute copy to refresh after an update, when the backend keeps one.
+    pub compute: Option<&'a mut B::Buf>,
+}
+
+/// A decoder-only transformer on backend `B`, with its gradients and activations.
+pub struct Transformer<B: Backend> {
+    pub(crate) backend: Arc<B>,
+    pub(crate) config: ModelConfig,
+    /// Full master weights.
+    params: Params<B::Buf>,
+    /// Compute copies of the weights (only when `!backend.compute_is_full()`).
+    compute: Option<Params<B::Buf>>,
+    /// Full gradients, allocated on the first backward.
+    grads: Option<Params<B::Buf>>,
+    /// `[head_dim / 2]` (Full) RoPE inverse frequencies.
+    pub(crate) inv_freq: B::Buf,
+    /// Keep only layer inputs and recompute each layer in the backward.
+    recompute: bool,
+    /// Training activations, reused while the batch size stays the same.
+    acts: Option<Activations<B::Buf>>,
+}
+
+/// RoPE inverse frequencies exactly as Hugging Face computes them in f32, including the
+/// `llama3` rescaling of long wavelengths.
+pub fn rope_inv_freq(config: &ModelConfig) -> Vec<f32> {
+    let dim = config.head_dim;
+    let base = config.rope_theta;
+    let mut inv: Vec<f32> = (0..dim)
+        .step_by(2)
+        .map(|i| 1.0 / base.powf(i as f32 / dim as f32))
+        .collect();
+    if let Some(s) = &config.rope_scaling {
+        let old = s.original_max_position_embeddings as f64;
+        let low_freq_wavelen = (old / s.low_freq_factor as f64) as f32;
+        let high_freq_wavelen = (old / s.high_freq_factor as f64) as f32;
+        for f in &mut inv {
+            let wavelen = 2.0 * std::f32::consts::PI / *f;
+            let scaled = if wavelen > low_freq_wavelen {
+                *f / s.factor
+            } else {
+                *f
+            };
+            let medium = wavelen >= high_freq_wavelen && wavelen <= low_freq_wavelen;
+            *f = if medium {
+                let smooth = (old as f32 / wavelen - s.low_freq_factor)
+                    / (s.high_freq_factor - s.low_freq_factor);
+                (1.0 - smooth) * scaled / s.factor + smooth * scaled
+            } else {
+                scaled
+            };
+        }
+    }
+    inv
+}
+
+/// splitmix64, the seeded generator of [`Transformer::new_random`].
+struct SplitMix(u64);
+
+impl SplitMix {
+    fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in (0, 1].
+    fn unit(&mut self) -> f64 {
+        ((self.next_u64() >> 11) + 1) as f64 / (1u64 << 53) as f64
+    }
+
+    /// Standard normal (Box–Muller).
+    fn normal(&mut self) -> f64 {
+        let (u, v) = (self.unit(), self.unit());
+        (-2.0 * u.ln()).sqrt() * (2.0 * std::f64::consts::PI * v).cos()
+    }
+}
+
+/// Rows per lm-head chunk: about 2M logits at a time.
+fn lm_head_chunk_rows(tokens: usize, vocab: usize) -> usize {
+    ((1usize << 21) / vocab.max(1)).clamp(1, tokens.max(1))
+}
+
+fn check_config(c: &ModelConfig) -> Result<()> {
+    let bad = |msg: String| Err(ModelError::Config(msg));
+    if c.vocab_size == 0 || c.hidden_size == 0 || c.intermediate_size == 0 {
+        return bad(format!(
+            "vocab_size {}, hidden_size {} and intermediate_size {} must be positive",
+            c.vocab_size, c.hidden_size, c.intermediate_size
+        ));
+    }
+    if c.num_key_value_heads == 0 || c.num_attention_heads % c.num_key_value_heads != 0 {
+        return bad(format!(
+            "num_attention_heads {} must be a positive multiple of num_key_value_heads {}",
+            c.num_attention_heads, c.num_key_value_heads
+        ));
+    }
+    if c.head_dim == 0 || c.head_dim % 2 != 0 {
+        return bad(format!("head_dim {} must be positive and even", c.head_dim));
+    }
+    Ok(())
+}
+
+impl<B: Backend> Transformer<B> {
+    /// Builds the model around `params`: Compute copies where the backend needs them, and
+    /// RoPE frequencies.
+    fn with_params(backend: Arc<B>, config: ModelConfig, params: Params<B::Buf>) -> Result<Self> {
+        let compute = if backend.compute_is_full() {
+            None
+        } else {
+            let masters = params.tensors();
+            let mut at = 0;
+            Some(Params::build(&config, |_, shape| {
+                let mut buf = backend.zeros(shape.iter().product(), BufKind::Compute)?;
+                backend.copy(&mut buf, masters[at])?;
+                at += 1;
+                Ok(buf)
+            })?)
+        };
+        let inv_freq = backend.upload(&rope_inv_freq(&config), BufKind::Full)?;
+        Ok(Self {
+            backend,
+            config,
+            params,
+            compute,
+            grads: None,
+            inv_freq,
+            recompute: false,
+            acts: None,
+        })
+    }
+
+    /// A model with normal(0, 0.02) weights from `seed`, norms at 1 and biases at 0.
+    pub fn new_random(backend: Arc<B>, config: ModelConfig, seed: u64) -> Result<Self> {
+        check_config(&config)?;
+        let mut rng = SplitMix(seed);
+        let params = Params::build(&config, |name, shape| {
+            let n: usize = shape.iter().product();
+            let data: Vec<f32> = if name.ends_with("norm.weight") {
+                vec![1.0; n]
+            } else if name.ends_with(".bias") {
+                vec![0.0; n]
+            } else {
+                (0..n).map(|_| (0.02 * rng.normal()) as f32).collect()
+            };
+            Ok(backend.upload(&data, BufKind::Full)?)
+        })?;
+        Self::with_params(backend, config, params)
+    }
+
+    /// A model from host tensors named as in [`tensor_specs`]; errors name the missing
+    /// tensor or the one with the wrong shape. Extra tensors are ignored.
+    pub fn from_host_weights(
+        backend: Arc<B>,
+        config: ModelConfig,
+        weights: &BTreeMap<String, HostTensor>,
+    ) -> Result<Self> {
+        check_config(&config)?;
+        check_weights(&config, weights)?;
+        let params = Params::build(&config, |name, _| {
+            Ok(backend.upload(&weights[name].data, BufKind::Full)?)
+        })?;
+        Self::with_params(backend, config, params)
+    }
+
+    /// Replaces every weight (and its Compute copy) with host tensors named as in
+    /// [`tensor_specs`]; gradients are kept.
+    pub fn load_host_weights(&mut self, weights: &BTreeMap<String, HostTensor>) -> Result<()> {
+        check_weights(&self.config, weights)?;
+        let b = &*self.backend;
+        let specs = tensor_specs(&self.config);
+        let mut computes = self.compute.as_mut().map(|c| c.tensors_mut());
+        for (i, (param, (name, _))) in self
+            .params
+            .tensors_mut()
+            .into_iter()
+            .zip(&specs)
+            .enumerate()
+        {
+            *param = b.upload(&weights[name].data, BufKind::Full)?;
+            if let Some(c) = computes.as_mut() {
+                b.copy(c[i], param)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Every weight as a host tensor named as in [`tensor_specs`].
+    pub fn to_host_weights(&self) -> Result<BTreeMap<String, HostTensor>> {
+        let b = &*self.backend;
+        tensor_specs(&self.config)
+            .into_iter()
+            .zip(self.params.tensors())
+            .map(|((name, shape), buf)| {
+                let data = b.download(buf)?;
+                Ok((name, HostTensor { shape, data }))
+            })
+            .collect()
+    }
+
+    /// The model's shape.
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    /// The backend the model runs on.
+    pub fn backend(&self) -> &Arc<B> {
+        &self.backend
+    }
+
+    /// Per-layer activation checkpointing: keep only each layer's input and recompute the
+    /// layer during the backward. Changes memory, not results.
+    pub fn set_recompute(&mut self, recompute: bool) {
+        if recompute != self.recompute {
+            self.recompute = recompute;
+            self.acts = None;
+        }
+    }
+
+    /// The weights forwards read: the Compute copies, or the masters when they coincide.
+    pub(crate) fn weights(&self) -> &Params<B::Buf> {
+        self.compute.as_ref().unwrap_or(&self.params)
+    }
+
+    /// Checks a batch against the vocabulary.
+    fn check_batch(&self, batch: &PackedBatch) -> Result<()> {
+        batch.validate()?;
+        if batch.is_empty() {
+            return Err(ModelError::Input("batch: no rows".into()));
+        }
+        let vocab = self.config.vocab_size;
+        for (what, ids) in [("tokens", &batch.tokens), ("targets", &batch.targets)] {
+            if let Some(row) = ids.iter().position(|&id| id as usize >= vocab) {
+                return Err(ModelError::Input(format!(
+                    "batch: {what}[{row}] = {} is not below vocab_size {vocab}",
+                    ids[row]
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    fn attn_shape(&self, tokens: usize) -> AttnShape {
+        let c = &self.config;
+        AttnShape {
+            tokens,
+            q_heads: c.num_attention_heads,
+            kv_heads: c.num_key_value_heads,
+            head_dim: c.head_dim,
+            scale: 1.0 / (c.head_dim as f32).sqrt(),
+        }
+    }
+
+    /// `y (+)= x · wᵀ` for `x: [rows, n_in]`, `w: [n_out, n_in]`.
+    #[allow(clippy::too_many_arguments)]
+    fn linear(
+        &self,
+        y: &mut B::Buf,
+        x: &B::Buf,
+        w: &B::Buf,
+        rows: usize,
+        n_out: usize,
+        n_in: usize,
+        accumulate: bool,
+    ) -> Result<()> {
+        let dims = Matmul {
+            m: rows,
+            n: n_out,
+            k: n_in,
+            trans_a: false,
+            trans_b: true,
+        };
+        Ok(self.backend.matmul(y, x, w, dims, accumulate)?)
+    }
+
+    /// Backward of [`Self::linear`]: `dx (+)= dy · w`.
+    #[allow(clippy::too_many_arguments)]
+    fn linear_dx(
+        &self,
+        dx: &mut B::Buf,
+        dy: &B::Buf,
+        w: &B::Buf,
+        rows: usize,
+        n_out: usize,
+        n_in: usize,
+        accumulate: bool,
+    ) -> Result<()> {
+        let dims = Matmul {
+            m: rows,
+            n: n_in,
+            k: n_out,
+            trans_a: false,
+            trans_b: false,
+        };
+        Ok(self.backend.matmul(dx, dy, w, dims, accumulate)?)
+    }
+
+    /// Backward of [`Self::linear`]: `dw += dyᵀ · x`.
+    fn linear_dw(
+        &self,
+        dw: &mut B::Buf,
+        dy: &B::Buf,
+        x: &B::Buf,
+        rows: usize,
+        n_out: usize,
+        n_in: usize,
+    ) -> Result<()> {
+        let dims = Matmul {
+            m: n_out,
+            n: n_in,
+            k: rows,
+            trans_a: true,
+            trans_b: false,
+        };
+        Ok(self.backend.matmul(dw, dy, x, dims, true)?)
+    }
+
+    /// One decoder layer: `out = layer(x)`, saving its internals in `a`.
+    pub(crate) fn layer_forward(
+        &self,
+        w: &Layer<B::Buf>,
+        x: &B::Buf,
+        out: &mut B::Buf,
+        a: &mut LayerActs<B::Buf>,
+        positions: &B::Buf,
+        attend: Attend<'_, B>,
+    ) -> Result<()> {
+        let b = &*self.backend;
+        let c = &self.config;
+        let t = self.backend.len(positions);
+        let (h, inter) = (c.hidden_size, c.intermediate_size);
+        let (q, kv, hd) = (c.q_dim(), c.kv_dim(), c.head_dim);
+        let (hq, hkv) = (c.num_attention_heads, c.num_key_value_heads);
+        let eps = c.rms_norm_eps;
+
+        b.rmsnorm_forward(&mut a.ln1, &mut a.ln1_rstd, x, &w.input_norm, t, h, eps)?;
+        // Projections land in q_raw/k_raw when a per-head norm follows, else in place.
+        let q_proj = a.q_raw.as_mut().unwrap_or(&mut a.q);
+        self.linear(q_proj, &a.ln1, &w.wq, t, q, h, false)?;
+        if let Some(bias) = &w.bq {
+            b.add_bias(q_proj, bias, t, q)?;
+        }
+        let k_proj = a.k_raw.as_mut().unwrap_or(&mut a.k);
+        self.linear(k_proj, &a.ln1, &w.wk, t, kv, h, false)?;
+        if let Some(bias) = &w.bk {
+            b.add_bias(k_proj, bias, t, kv)?;
+        }
+        self.linear(&mut a.v, &a.ln1, &w.wv, t, kv, h, false)?;
+        if let Some(bias) = &w.bv {
+            b.add_bias(&mut a.v, bias, t, kv)?;
+        }
+        if let (Some(q_raw), Some(q_rstd), Some(q_norm)) = (&a.q_raw, &mut a.q_rstd, &w.q_norm) {
+            b.rmsnorm_forward(&mut a.q, q_rstd, q_raw, q_norm, t * hq, hd, eps)?;
+        }
+        if let (Some(k_raw), Some(k_rstd), Some(k_norm)) = (&a.k_raw, &mut a.k_rstd, &w.k_norm) {
+            b.rmsnorm_forward(&mut a.k, k_rstd, k_raw, k_norm, t * hkv, hd, eps)?;
+        }
+        b.rope(&mut a.q, positions, &self.inv_freq, t, hq, hd, false)?;
+        b.rope(&mut a.k, positions, &self.inv_freq, t, hkv, hd, false)?;
+        let shape = self.attn_shape(t);
+        match attend {
+            Attend::Packed {
+                segments,
+                uncovered_rows,
+            } => {
+                if uncovered_rows {
+                    b.fill_zero(&mut a.att)?;
+                }
+                b.attention_forward(
+                    &mut a.att,
+                    &mut a.att_lse,
+                    &a.q,
+                    &a.k,
+                    &a.v,
+                    segments,
+                    shape,
+                )?;
+            }
+            Attend::Paged {
+                slots,
+                layout,
+                k_cache,
+                v_cache,
+            } => {
+                b.kv_cache_write(k_cache, v_cache, &a.k, &a.v, slots, hkv, hd)?;
+                b.paged_attention(&mut a.att, &a.q, k_cache, v_cache, &layout, shape)?;
+            }
+        }
+        b.copy(&mut a.resid, x)?;
+        self.linear(&mut a.resid, &a.att, &w.wo, t, h, q, true)?;
+        b.rmsnorm_forward(
+            &mut a.ln2,
+            &mut a.ln2_rstd,
+            &a.resid,
+            &w.post_norm,
+            t,
+            h,
+            eps,
+        )?;
+        self.linear(&mut a.gate, &a.ln2, &w.w_gate, t, inter, h, false)?;
+        self.linear(&mut a.up, &a.ln2, &w.w_up, t, inter, h, false)?;
+        b.swiglu_forward(&mut a.act, &a.gate, &a.up)?;
+        b.copy(out, &a.resid)?;
+        self.linear(out, &a.act, &w.w_down, t, h, inter, true)?;
+        Ok(())
+    }
+
+    /// Backward of one layer: on entry `s.d_resid` is the gradient of the layer's output,
+    /// on exit that of its input `x`; weight gradients accumulate into `g`.
+    #[allow(clippy::too_many_arguments)]
+    fn layer_backward(
+        &self,
+        w: &Layer<B::Buf>,
+        g: &mut Layer<B::Buf>,
+        x: &B::Buf,
+        a: &LayerActs<B::Buf>,
+        s: &mut GradScratch<B::Buf>,
+        positions: &B::Buf,
+        segments: &[Segment],
+    ) -> Result<()> {
+        let b = &*self.backend;
+        let c = &self.config;
+        let t = self.backend.len(positions);
+        let (h, inter) = (c.hidden_size, c.intermediate_size);
+        let (q, kv, hd) = (c.q_dim(), c.kv_dim(), c.head_dim);
+        let (hq, hkv) = (c.num_attention_heads, c.num_key_value_heads);
+
+        // MLP: out = resid + act · W_downᵀ.
+        self.linear_dx(&mut s.d_act, &s.d_resid, &w.w_down, t, h, inter, false)?;
+        self.linear_dw(&mut g.w_down, &s.d_resid, &a.act, t, h, inter)?;
+        b.swiglu_backward(&mut s.d_gate, &mut s.d_up, &s.d_act, &a.gate, &a.up)?;
+        self.linear_dx(&mut s.d_norm_out, &s.d_gate, &w.w_gate, t, inter, h, false)?;
+        self.linear_dx(&mut s.d_norm_out, &s.d_up, &w.w_up, t, inter, h, true)?;
+        self.linear_dw(&mut g.w_gate, &s.d_gate, &a.ln2, t, inter, h)?;
+        self.linear_dw(&mut g.w_up, &s.d_up, &a.ln2, t, inter, h)?;
+        b.rmsnorm_backward(
+            &mut s.d_norm_in,
+            &mut g.post_norm,
+            &s.d_norm_out,
+            &a.resid,
+            &w.post_norm,
+            &a.ln2_rstd,
+            t,
+            h,
+        )?;
+        b.add_assign(&mut s.d_resid, &s.d_norm_in)?;
+
+        // Attention: resid = x + att · Woᵀ.
+        self.linear_dx(&mut s.d_att, &s.d_resid, &w.wo, t, h, q, false)?;
+        self.linear_dw(&mut g.wo, &s.d_resid, &a.att, t, h, q)?;
+        b.attention_backward(
+            &mut s.d_q,
+            &mut s.d_k,
+            &mut s.d_v,
+            &s.d_att,
+            &a.att,
+            &a.att_lse,
+            &a.q,
+            &a.k,
+            &a.v,
+            segments,
+            self.attn_shape(t),
+        )?;
+        b.rope(&mut s.d_q, positions, &self.inv_freq, t, hq, hd, true)?;
+        b.rope(&mut s.d_k, positions, &self.inv_freq, t, hkv, hd, true)?;
+        if let (Some(d_raw), Some(gn), Some(wn), Some(raw), Some(rstd)) = (
+            &mut s.d_q_raw,
+            &mut g.q_norm,
+            &w.q_norm,
+            &a.q_raw,
+            &a.q_rstd,
+        ) {
+            b.rmsnorm_backward(d_raw, gn, &s.d_q, raw, wn, rstd, t * hq, hd)?;
+        }
+        if let (Some(d_raw), Some(gn), Some(wn), Some(raw), Some(rstd)) = (
+            &mut s.d_k_raw,
+            &mut g.k_norm,
+            &w.k_norm,
+            &a.k_raw,
+            &a.k_rstd,
+        ) {
+            b.rmsnorm_backward(d_raw, gn, &s.d_k, raw, wn, rstd, t * hkv, hd)?;
+        }
+        // Gradients of the projections' outputs.
+        let d_qp = s.d_q_raw.as_ref().unwrap_or(&s.d_q);
+        let d_kp = s.d_k_raw.as_ref().unwrap_or(&s.d_k);
+        for (gb, dy, n) in [
+            (&mut g.bq, d_qp, q),
+            (&mut g.bk, d_kp, kv),
+            (&mut g.bv, &s.d_v, kv),
+        ] {
+            if let Some(gb) = gb {
+                b.add_bias_backward(gb, dy, t, n)?;
+            }
+        }
+        self.linear_dx(&mut s.d_norm_out, d_qp, &w.wq, t, q, h, false)?;
+        self.linear_dx(&mut s.d_norm_out, d_kp, &w.wk, t, kv, h, true)?;
+        self.linear_dx(&mut s.d_norm_out, &s.d_v, &w.wv, t, kv, h, true)?;
+        self.linear_dw(&mut g.wq, d_qp, &a.ln1, t, q, h)?;
+        self.linear_dw(&mut g.wk, d_kp, &a.ln1, t, kv, h)?;
+        self.linear_dw(&mut g.wv, &s.d_v, &a.ln1, t, kv, h)?;
+        b.rmsnorm_backward(
+            &mut s.d_norm_in,
+            &mut g.input_norm,
+            &s.d_norm_out,
+            x,
+            &w.input_norm,
+            &a.ln1_rstd,
+            t,
+            h,
+        )?;
+        b.add_assign(&mut s.d_resid, &s.d_norm_in)?;
+        Ok(())
+    }
+
+    /// Embedding, every layer, final norm and lm-head; internals of layer `l` go to
+    /// `acts.layers[l]` when there is a slot per layer, else to the single shared slot.
+    fn run_forward(
+        &self,
+        acts: &mut Activations<B::Buf>,
+        batch: &PackedBatch,
+        ids: &B::Buf,
+        targets: &B::Buf,
+        positions: &B::Buf,
+        logit_scale: f32,
+    ) -> Result<()> {
+        let b = &*self.backend;
+        let c = &self.config;
+        let (t, h) = (batch.len(), c.hidden_size);
+        let w = self.weights();
+        let covered: usize = batch.segments.iter().map(|s| s.len as usize).sum();
+        b.embedding_forward(&mut acts.residual[0], &w.embed, ids, h)?;
+        let per_layer = acts.layers.len() > 1;
+        for (l, wl) in w.layers.iter().enumerate() {
+            let (done, rest) = acts.residual.split_at_mut(l + 1);
+            let slot = if per_layer { l } else { 0 };
+            let attend = Attend::Packed {
+                segments: &batch.segments,
+                uncovered_rows: covered < t,
+            };
+            self.layer_forward(
+                wl,
+                &done[l],
+                &mut rest[0],
+                &mut acts.layers[slot],
+                positions,
+                attend,
+            )?;
+        }
+        let last = &acts.residual[c.num_hidden_layers];
+        b.rmsnorm_forward(
+            &mut acts.final_out,
+            &mut acts.final_rstd,
+            last,
+            &w.final_norm,
+            t,
+            h,
+            c.rms_norm_eps,
+        )?;
+        b.lm_head_forward(
+            &mut acts.logprobs,
+            &mut acts.entropy,
+            &mut acts.lse,
+            &acts.final_out,
+            w.lm_head(),
+            targets,
+            self.lm_head_spec(t, logit_scale),
+        )?;
+        Ok(())
+    }
+
+    fn lm_head_spec(&self, tokens: usize, logit_scale: f32) -> LmHead {
+        LmHead {
+            tokens,
+            dim: self.config.hidden_size,
+            vocab: self.config.vocab_size,
+            logit_scale,
+            chunk_rows: lm_head_chunk_rows(tokens, self.config.vocab_size),
+        }
+    }
+
+    fn stats(&self, acts: &Activations<B::Buf>) -> Result<TokenStats> {
+        Ok(TokenStats {
+            logprobs: self.backend.download_f64(&acts.logprobs)?,
+            entropy: self.backend.download_f64(&acts.entropy)?,
+        })
+    }
+
+    fn upload_batch(&self, batch: &PackedBatch) -> Result<[B::Buf; 3]> {
+        let b = &*self.backend;
+        Ok([
+            b.upload_index(&batch.tokens)?,
+            b.upload_index(&batch.targets)?,
+            b.upload_index(&batch.positions)?,
+        ])
+    }
+
+    /// Log-prob of each row's target and the entropy of each row under
+    /// `softmax(logit_scale · logits)`; keeps no gradient state.
+    pub fn forward(&self, batch: &PackedBatch, logit_scale: f32) -> Result<TokenStats> {
+        self.check_batch(batch)?;
+        let mut acts = Activations::new(&*self.backend, &self.config, batch.len(), 1, None)?;
+        let [ids, targets, positions] = self.upload_batch(batch)?;
+        self.run_forward(&mut acts, batch, &ids, &targets, &positions, logit_scale)?;
+        self.stats(&acts)
+    }
+
+    /// Forward, then `loss_grad` turns the stats into `(dL/dlogprob, dL/dentropy)` per row,
+    /// then the backward accumulates every parameter's gradient (so micro-batches sum).
+    pub fn forward_backward(
+        &mut self,
+        batch: &PackedBatch,
+        logit_scale: f32,
+        loss_grad: &mut LossGradFn<'_>,
+    ) -> Result<TokenStats> {
+        self.check_batch(batch)?;
+        let t = batch.len();
+        let mut acts = match self.acts.take() {
+            Some(acts) if acts.tokens == t => acts,
+            _ => {
+                let slots = if self.recompute {
+                    1
+                } else {
+                    self.config.num_hidden_layers
+                };
+                Activations::new(
+                    &*self.backend,
+                    &self.config,
+                    t,
+                    slots.max(1),
+                    Some(self.recompute),
+                )?
+            }
+        };
+        let [ids, targets, positions] = self.upload_batch(batch)?;
+        self.run_forward(&mut acts, batch, &ids, &targets, &positions, logit_scale)?;
+        let stats = self.stats(&acts)?;
+        let (d_logprobs, d_entropy) = loss_grad(&stats)?;
+        for (what, len) in [
+            ("dL/dlogprob", d_logprobs.len()),
+            ("dL/dentropy", d_entropy.len()),
+        ] {
+            if len != t {
+                return Err(ModelError::Input(format!(
+                    "loss gradient: {what} has {len} entries for a batch of {t} rows"
+                )));
+            }
+        }
+        let mut grads = match self.grads.take() {
+            Some(g) => g,
+            None => self.zero_params()?,
+        };
+        let result = self.run_backward(
+            &mut acts,
+            &mut grads,
+            batch,
+            [&ids, &targets, &positions],
+            logit_scale,
+            &d_logprobs,
+            &d_entropy,
+        );
+        self.grads = Some(grads);
+        self.acts = Some(acts);
+        result?;
+        Ok(stats)
+    }
+
+    fn zero_params(&self) -> Result<Params<B::Buf>> {
+        Params::build(&self.config, |_, shape| {
+            Ok(self.backend.zeros(shape.iter().product(), BufKind::Full)?)
+        })
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn run_backward(
+        &self,
+        acts: &mut Activations<B::Buf>,
+        g: &mut Params<B::Buf>,
+        batch: &PackedBatch,
+        [ids, targets, positions]: [&B::Buf; 3],
+        logit_scale: f32,
+        d_logprobs: &[f64],
+        d_entropy: &[f64],
+    ) -> Result<()> {
+        let b = &*self.backend;
+        let c = &self.config;
+        let (t, h) = (batch.len(), c.hidden_size);
+        let w = self.weights();
+        let d_lp = b.upload_f64(d_logprobs, BufKind::Full)?;
+        let d_ent = b.upload_f64(d_entropy, BufKind::Full)?;
+        let Activations {
+            residual,
+            layers,
+            final_out,
+            final_rstd,
+            lse,
+            grad,
+            ..
+        } = acts;
+        let s = grad
+            .as_mut()
+            .expect("training activations carry a gradient scratch");
+        let g_lm = match &mut g.lm_head {
+            Some(lm) => lm,
+            None => &mut g.embed,
+        };
+        b.lm_head_backward(
+            &mut s.d_norm_out,
+            g_lm,
+            &d_lp,
+            &d_ent,
+            final_out,
+            w.lm_head(),
+            targets,
+            lse,
+            self.lm_head_spec(t, logit_scale),
+        )?;
+        b.rmsnorm_backward(
+            &mut s.d_resid,
+            &mut g.final_norm,
+            &s.d_norm_out,
+            &residual[c.num_hidden_layers],
+            &w.final_norm,
+            final_rstd,
+            t,
+            h,
+        )?;
+        let covered: usize = batch.segments.iter().map(|s| s.len as usize).sum();
+        for l in (0..c.num_hidden_layers).rev() {
+            let slot = if layers.len() > 1 { l } else { 0 };
+            if self.recompute {
+                let out = s
+                    .recompute_out
+                    .as_mut()
+                    .expect("recompute scratch exists when recomputing");
+                let attend = Attend::Packed {
+                    segments: &batch.segments,
+                    uncovered_rows: covered < t,
+                };
+                self.layer_forward(
+                    &w.layers[l],
+                    &residual[l],
+                    out,
+                    &mut layers[slot],
+                    positions,
+                    attend,
+                )?;
+            }
+            self.layer_backward(
+                &w.layers[l],
+                &mut g.layers[l],
+                &residual[l],
+                &layers[slot],
+                s,
+                positions,
+                &batch.segments,
+            )?;
+        }
+        b.embedding_backward(&mut g.embed, &s.d_resid, ids, h)?;
+        Ok(())
+    }
+
+    /// Sets every gradient to zero (a no-op before the first backward).
+    pub fn zero_grad(&mut self) -> Result<()> {
+        if let Some(grads) = &mut self.grads {
+            for g in grads.tensors_mut() {
+                self.backend.fill_zero(g)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Global L2 norm over every gradient (0 before the first backward).
+    pub fn grad_norm(&self) -> Result<f64> {
+        let Some(grads) = &self.grads else {
+            return Ok(0.0);
+        };
+        let mut sum = 0.0;
+        for g in grads.tensors() {
+            sum += self.backend.sum_squares(g)?;
+        }
+        Ok(sum.sqrt())
+    }
+
+    /// Visits every parameter with its Hugging Face name, its gradient and its Compute
+    /// copy (when the backend keeps one), in [`tensor_specs`] order. Allocates zero
+    /// gradients if no backward has run yet.
+    pub fn visit_params(
+        &mut self,
+        f: &mut dyn FnMut(&str, ParamSlot<'_, B>) -> Result<()>,
+    ) -> Result<()> {
+        if self.grads.is_none() {
+            self.grads = Some(self.zero_params()?);
+        }
+        let specs = tensor_specs(&self.config);
+        let grads = self.grads.as_ref().expect("allocated above").tensors();
+        let mut computes = self.compute.as_mut().map(|c| c.tensors_mut().into_iter());
+        for (((name, _), param), grad) in specs.iter().zip(self.params.tensors_mut()).zip(grads) {
+            let compute = computes.as_mut().and_then(|c| c.next());
+            f(
+                name,
+                ParamSlot {
+                    param,
+                    grad,
+                    compute,
+                },
+            )?;
+        }
+        Ok(())
+    }
+
+    /// Every gradient as a host tensor named as in [`tensor_specs`] (zeros before the first
+    /// backward); for checks and debugging.
+    pub fn grads_to_host(&self) -> Result<BTreeMap<String, HostTensor>> {
+        let b = &*self.backend;
+        let specs = tensor_specs(&self.config);
+        match &self.grads {
+            None => Ok(specs
+                .into_iter()
+                .map(|(name, shape)| (name, HostTensor::zeros(shape)))
+                .collect()),
+            Some(grads) => specs
+                .into_iter()
+                .zip(grads.tensors())
+                .map(|((name, shape), buf)| {
+                    Ok((
+                        name,
+                        HostTensor {
+                            shape,
+                            data: b.download(buf)?,
+                        },
+                    ))
+                })
+                .collect(),
+        }
+    }
+}

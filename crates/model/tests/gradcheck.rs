@@ -1,0 +1,401 @@
+//! The model's hand-written backward against central finite differences in f64, for
+//! every parameter tensor of each architecture, and the invariances training relies on:
+//! prompt sharing, activation recomputation and micro-batch accumulation.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use floe_backend::cpu::CpuBackend;
+use floe_backend::Backend;
+use floe_model::batch::{PackedBatch, TokenStats};
+use floe_model::config::{Architecture, Llama3RopeScaling, ModelConfig};
+use floe_model::transformer::{ModelError, Transformer};
+use floe_model::weights::{tensor_specs, HostTensor};
+
+type B = CpuBackend<f64>;
+
+/// splitmix64 for test data.
+struct Rng(u64);
+
+impl Rng {
+    fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    fn uniform(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0
+    }
+    fn below(&mut self, n: usize) -> usize {
+        (self.next_u64() % n as u64) as usize
+    }
+    fn tokens(&mut self, n: usize, vocab: usize) -> Vec<u32> {
+        (0..n).map(|_| self.below(vocab) as u32).collect()
+    }
+}
+
+fn tiny(architecture: Architecture) -> ModelConfig {
+    ModelConfig {
+        architecture,
+        vocab_size: 32,
+        hidden_size: 16,
+        intermediate_size: 24,
+        num_hidden_layers: 2,
+        num_attention_heads: 4,
+        num_key_value_heads: 2,
+        head_dim: 8,
+        rms_norm_eps: 1e-6,
+        rope_theta: 10000.0,
+        rope_scaling: None,
+        max_position_embeddings: 64,
+        tie_word_embeddings: true,
+        attention_bias: architecture == Architecture::Qwen2,
+        qk_norm: architecture == Architecture::Qwen3,
+        bos_token_id: None,
+        eos_token_ids: vec![1],
+    }
+}
+
+/// Random weights large enough that attention and softmax are far from uniform, with
+/// norms near (not at) 1 so their gradients are exercised too.
+fn random_weights(config: &ModelConfig, seed: u64) -> BTreeMap<String, HostTensor> {
+    let mut rng = Rng(seed);
+    tensor_specs(config)
+        .into_iter()
+        .map(|(name, shape)| {
+            let n = shape.iter().product();
+            let data = (0..n)
+                .map(|_| {
+                    let u = rng.uniform();
+                    (if name.ends_with("norm.weight") {
+                        1.0 + 0.3 * u
+                    } else if name.ends_with(".bias") {
+                        0.2 * u
+                    } else {
+                        0.4 * u
+                    }) as f32
+                })
+                .collect();
+            (name, HostTensor { shape, data })
+        })
+        .collect()
+}
+
+fn model(config: &ModelConfig, seed: u64) -> Transformer<B> {
+    Transformer::from_host_weights(
+        Arc::new(B::new()),
+        config.clone(),
+        &random_weights(config, seed),
+    )
+    .unwrap()
+}
+
+/// Three plain sequences of unequal lengths and one prompt shared by two responses.
+fn mixed_batch(rng: &mut Rng, vocab: usize) -> PackedBatch {
+    let mut batch = PackedBatch::default();
+    batch.push_sequence(&rng.tokens(6, vocab));
+    batch.push_sequence(&rng.tokens(3, vocab));
+    let prompt = rng.tokens(4, vocab);
+    let responses = [rng.tokens(3, vocab), rng.tokens(2, vocab)];
+    batch.push_shared_prompt(&prompt, &responses).unwrap();
+    batch.push_sequence(&rng.tokens(5, vocab));
+    batch
+}
+
+/// `L = Σ a_t logprob_t + Σ c_t entropy_t`.
+fn loss(stats: &TokenStats, a: &[f64], c: &[f64]) -> f64 {
+    let dot = |x: &[f64], y: &[f64]| x.iter().zip(y).map(|(x, y)| x * y).sum::<f64>();
+    dot(&stats.logprobs, a) + dot(&stats.entropy, c)
+}
+
+/// Runs one forward-backward with constant loss weights.
+fn backward(
+    m: &mut Transformer<B>,
+    batch: &PackedBatch,
+    scale: f32,
+    a: &[f64],
+    c: &[f64],
+) -> TokenStats {
+    let (a, c) = (a.to_vec(), c.to_vec());
+    m.forward_backward(batch, scale, &mut |_| Ok((a.clone(), c.clone())))
+        .unwrap()
+}
+
+/// Every parameter's gradient in f64, by name.
+fn grads(m: &mut Transformer<B>) -> BTreeMap<String, Vec<f64>> {
+    let backend = m.backend().clone();
+    let mut out = BTreeMap::new();
+    m.visit_params(&mut |name, slot| {
+        out.insert(name.to_string(), backend.download_f64(slot.grad)?);
+        Ok(())
+    })
+    .unwrap();
+    out
+}
+
+/// Sets entry `i` of parameter `name` to `value`.
+fn set_entry(m: &mut Transformer<B>, name: &str, i: usize, value: f64) {
+    let backend = m.backend().clone();
+    m.visit_params(&mut |n, slot| {
+        if n == name {
+            let mut data = backend.download_f64(slot.param)?;
+            data[i] = value;
+            *slot.param = backend.upload_f64(&data, floe_backend::BufKind::Full)?;
+        }
+        Ok(())
+    })
+    .unwrap();
+}
+
+fn get_entry(m: &mut Transformer<B>, name: &str, i: usize) -> f64 {
+    let backend = m.backend().clone();
+    let mut value = f64::NAN;
+    m.visit_params(&mut |n, slot| {
+        if n == name {
+            value = backend.download_f64(slot.param)?[i];
+        }
+        Ok(())
+    })
+    .unwrap();
+    value
+}
+
+/// Checks up to `per_tensor` random entries of every parameter against central finite
+/// differences of the loss.
+fn gradcheck(config: &ModelConfig, seed: u64, per_tensor: usize) {
+    let mut rng = Rng(seed);
+    let mut m = model(config, seed);
+    let batch = mixed_batch(&mut rng, config.vocab_size);
+    let t = batch.len();
+    let a: Vec<f64> = (0..t).map(|_| rng.uniform()).collect();
+    let c: Vec<f64> = (0..t).map(|_| rng.uniform()).collect();
+    let scale = 0.8;
+    backward(&mut m, &batch, scale, &a, &c);
+    let analytic = grads(&mut m);
+    let specs = tensor_specs(config);
+    assert_eq!(analytic.len(), specs.len(), "one gradient per tensor");
+    let h = 1e-5;
+    for (name, shape) in specs {
+        let n: usize = shape.iter().product();
+        let entries: Vec<usize> = if n <= per_tensor {
+            (0..n).collect()
+        } else {
+            (0..per_tensor).map(|_| rng.below(n)).collect()
+        };
+        let g = &analytic[&name];
+        let tensor_scale = g.iter().fold(1e-6_f64, |m, x| m.max(x.abs()));
+        for i in entries {
+            let x = get_entry(&mut m, &name, i);
+            set_entry(&mut m, &name, i, x + h);
+            let plus = loss(&m.forward(&batch, scale).unwrap(), &a, &c);
+            set_entry(&mut m, &name, i, x - h);
+            let minus = loss(&m.forward(&batch, scale).unwrap(), &a, &c);
+            set_entry(&mut m, &name, i, x);
+            let numeric = (plus - minus) / (2.0 * h);
+            let err = (g[i] - numeric).abs() / tensor_scale.max(numeric.abs());
+            assert!(
+                err < 1e-6,
+                "{name}[{i}]: analytic {} vs numeric {numeric} (relative error {err:e})",
+                g[i]
+            );
+        }
+    }
+}
+
+#[test]
+fn qwen3_tied_gradients_match_finite_differences() {
+    gradcheck(&tiny(Architecture::Qwen3), 11, 12);
+}
+
+#[test]
+fn qwen2_untied_gradients_match_finite_differences() {
+    let mut config = tiny(Architecture::Qwen2);
+    config.tie_word_embeddings = false;
+    gradcheck(&config, 12, 12);
+}
+
+#[test]
+fn llama_scaled_rope_gradients_match_finite_differences() {
+    let mut config = tiny(Architecture::Llama);
+    config.rope_scaling = Some(Llama3RopeScaling {
+        factor: 8.0,
+        low_freq_factor: 1.0,
+        high_freq_factor: 4.0,
+        original_max_position_embeddings: 16,
+    });
+    gradcheck(&config, 13, 6);
+}
+
+fn assert_grads_close(
+    what: &str,
+    got: &BTreeMap<String, Vec<f64>>,
+    want: &BTreeMap<String, Vec<f64>>,
+    tol: f64,
+) {
+    for (name, w) in want {
+        let g = &got[name];
+        let scale = w.iter().fold(1e-12_f64, |m, x| m.max(x.abs()));
+        let worst = g
+            .iter()
+            .zip(w)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0, f64::max);
+        assert!(
+            worst / scale < tol,
+            "{what}: {name} differs by {worst:e} (scale {scale:e})"
+        );
+    }
+}
+
+#[test]
+fn prompt_sharing_equals_unshared_packing() {
+    let config = tiny(Architecture::Qwen3);
+    let mut rng = Rng(21);
+    let prompt = rng.tokens(5, 32);
+    let responses = [rng.tokens(4, 32), rng.tokens(2, 32), rng.tokens(3, 32)];
+    let mut shared = PackedBatch::default();
+    let shared_rows = shared.push_shared_prompt(&prompt, &responses).unwrap();
+    let mut unshared = PackedBatch::default();
+    let mut unshared_rows = Vec::new();
+    for r in &responses {
+        let seq: Vec<u32> = prompt.iter().chain(r).copied().collect();
+        let rows = unshared.push_sequence(&seq);
+        // The last r.len() rows of each sequence score its response.
+        unshared_rows.push(rows.end - r.len()..rows.end);
+    }
+    // Loss weights on response rows only; prompt rows weigh nothing in both layouts.
+    let weights = |batch: &PackedBatch, rows: &[std::ops::Range<usize>], seed: u64| {
+        let mut a = vec![0.0; batch.len()];
+        let mut c = vec![0.0; batch.len()];
+        let mut r = Rng(seed);
+        for t in rows.iter().flat_map(|range| range.clone()) {
+            a[t] = r.uniform();
+            c[t] = r.uniform();
+        }
+        (a, c)
+    };
+    let (a_s, c_s) = weights(&shared, &shared_rows, 5);
+    let (a_u, c_u) = weights(&unshared, &unshared_rows, 5);
+    let mut m_shared = model(&config, 3);
+    let mut m_unshared = model(&config, 3);
+    let s = backward(&mut m_shared, &shared, 1.0, &a_s, &c_s);
+    let u = backward(&mut m_unshared, &unshared, 1.0, &a_u, &c_u);
+    for (rs, ru) in shared_rows.iter().zip(&unshared_rows) {
+        for (ts, tu) in rs.clone().zip(ru.clone()) {
+            assert!(
+                (s.logprobs[ts] - u.logprobs[tu]).abs() < 1e-12,
+                "logprob row {ts} vs {tu}"
+            );
+            assert!(
+                (s.entropy[ts] - u.entropy[tu]).abs() < 1e-12,
+                "entropy row {ts} vs {tu}"
+            );
+        }
+    }
+    assert_grads_close(
+        "prompt sharing",
+        &grads(&mut m_shared),
+        &grads(&mut m_unshared),
+        1e-10,
+    );
+}
+
+#[test]
+fn recompute_changes_memory_not_gradients() {
+    let config = tiny(Architecture::Qwen3);
+    let mut rng = Rng(31);
+    let batch = mixed_batch(&mut rng, 32);
+    let a: Vec<f64> = (0..batch.len()).map(|_| rng.uniform()).collect();
+    let c: Vec<f64> = (0..batch.len()).map(|_| rng.uniform()).collect();
+    let mut plain = model(&config, 4);
+    let mut recomputed = model(&config, 4);
+    recomputed.set_recompute(true);
+    let sp = backward(&mut plain, &batch, 1.0, &a, &c);
+    let sr = backward(&mut recomputed, &batch, 1.0, &a, &c);
+    assert_eq!(sp, sr);
+    assert_eq!(
+        grads(&mut plain),
+        grads(&mut recomputed),
+        "bit-identical gradients"
+    );
+}
+
+#[test]
+fn micro_batches_accumulate_the_full_batch_gradient() {
+    let config = tiny(Architecture::Qwen2);
+    let mut rng = Rng(41);
+    let seqs: Vec<Vec<u32>> = [5, 3, 7, 4].iter().map(|&n| rng.tokens(n, 32)).collect();
+    let full = PackedBatch::from_sequences(&seqs).unwrap();
+    let first = PackedBatch::from_sequences(&seqs[..2]).unwrap();
+    let second = PackedBatch::from_sequences(&seqs[2..]).unwrap();
+    let a: Vec<f64> = (0..full.len()).map(|_| rng.uniform()).collect();
+    let c: Vec<f64> = (0..full.len()).map(|_| rng.uniform()).collect();
+    let mut whole = model(&config, 5);
+    backward(&mut whole, &full, 1.0, &a, &c);
+    let mut split = model(&config, 5);
+    let k = first.len();
+    backward(&mut split, &first, 1.0, &a[..k], &c[..k]);
+    backward(&mut split, &second, 1.0, &a[k..], &c[k..]);
+    assert_grads_close(
+        "micro-batches",
+        &grads(&mut split),
+        &grads(&mut whole),
+        1e-12,
+    );
+    let norm = split.grad_norm().unwrap();
+    let want: f64 = grads(&mut whole)
+        .values()
+        .flatten()
+        .map(|x| x * x)
+        .sum::<f64>()
+        .sqrt();
+    assert!((norm - want).abs() < 1e-12 * want);
+    split.zero_grad().unwrap();
+    assert_eq!(split.grad_norm().unwrap(), 0.0);
+}
+
+#[test]
+fn host_weights_round_trip_and_errors_name_the_tensor() {
+    let config = tiny(Architecture::Qwen3);
+    let weights = random_weights(&config, 9);
+    let m = Transformer::from_host_weights(Arc::new(B::new()), config.clone(), &weights).unwrap();
+    assert_eq!(m.to_host_weights().unwrap(), weights);
+
+    let mut missing = weights.clone();
+    missing.remove("model.layers.1.self_attn.k_norm.weight");
+    let err = Transformer::from_host_weights(Arc::new(B::new()), config.clone(), &missing)
+        .err()
+        .unwrap();
+    assert!(
+        err.to_string()
+            .contains("model.layers.1.self_attn.k_norm.weight"),
+        "{err}"
+    );
+
+    let mut wrong = weights;
+    wrong.insert("model.norm.weight".into(), HostTensor::zeros(vec![15]));
+    let err = Transformer::from_host_weights(Arc::new(B::new()), config, &wrong)
+        .err()
+        .unwrap();
+    assert!(err.to_string().contains("model.norm.weight"), "{err}");
+}
+
+#[test]
+fn bad_batches_and_loss_gradients_are_errors() {
+    let config = tiny(Architecture::Llama);
+    let mut m = Transformer::new_random(Arc::new(B::new()), config, 1).unwrap();
+    let batch = PackedBatch::from_sequences(&[vec![1, 2, 40]]).unwrap();
+    let err = m.forward(&batch, 1.0).unwrap_err();
+    assert!(err.to_string().contains("targets[1] = 40"), "{err}");
+    let batch = PackedBatch::from_sequences(&[vec![1, 2, 3]]).unwrap();
+    let err = m
+        .forward_backward(&batch, 1.0, &mut |_| Ok((vec![0.0; 1], vec![0.0; 2])))
+        .unwrap_err();
+    assert!(matches!(err, ModelError::Input(_)), "{err}");
+    assert!(
+        err.to_string().contains("dL/dlogprob has 1 entries"),
+        "{err}"
+    );
+}
