@@ -23,8 +23,9 @@
 //! model's logits for a row do not (exactly true on the CPU backend).
 //!
 //! # Running out of blocks
-//! Admission reserves the blocks a sequence needs for its prompt; decoding grows tables
-//! a block at a time. When a decoding sequence needs a block and none is free, the most
+//! Admission reserves the blocks a sequence needs for its prompt, and while others run it
+//! also leaves one free block per running sample; decoding grows tables a block at a
+//! time. When a decoding sequence needs a block and none is free, the most
 //! recently admitted sample is preempted: its blocks are freed and it goes back to the
 //! front of the queue with its tokens so far, to be recomputed by prefill when blocks
 //! free up (vLLM's recompute preemption). Because [`Sampler::submit`] rejects any request
@@ -784,6 +785,11 @@ impl<M: CachedModel> Sampler<M> {
 
     /// Admits as much of the front of the queue as blocks and the sequence limit allow.
     /// False when nothing could be admitted.
+    ///
+    /// While samples are running, admission leaves one free block per running sample
+    /// (new ones included), so that the next block boundary each of them crosses does
+    /// not immediately preempt what was just admitted. With nothing running there is no
+    /// such reserve, so a request as large as the whole cache still gets in.
     fn admit_front(&mut self) -> bool {
         let running_samples = self
             .running
@@ -794,18 +800,28 @@ impl<M: CachedModel> Sampler<M> {
         if seq_room == 0 {
             return false;
         }
+        let reserve_per_sample = usize::from(running_samples > 0);
+        let available = self
+            .blocks
+            .num_free()
+            .saturating_sub(running_samples * reserve_per_sample);
         match self.waiting.pop_front() {
             None => false,
             Some(Waiting::Preempted(mut seq)) => {
-                if self.blocks.grow(&mut seq.table, seq.tokens.len()).is_err() {
+                let needed = self.blocks.blocks_for(seq.tokens.len()) + reserve_per_sample;
+                if needed > available {
                     self.waiting.push_front(Waiting::Preempted(seq));
                     return false;
                 }
+                self.blocks
+                    .grow(&mut seq.table, seq.tokens.len())
+                    .expect("counted above");
                 self.running.push(Running::Sample(seq));
                 true
             }
             Some(Waiting::Request { key, next }) => {
-                let admitted = self.admit_samples(key, next, seq_room);
+                let admitted =
+                    self.admit_samples(key, next, seq_room, available, reserve_per_sample);
                 if next + admitted < self.requests[&key].n {
                     self.waiting.push_front(Waiting::Request {
                         key,
@@ -817,25 +833,33 @@ impl<M: CachedModel> Sampler<M> {
         }
     }
 
-    /// Starts up to `seq_room` samples of request `key` from sample `first`, sharing the
-    /// prompt's full blocks when two or more start together. Returns how many started.
-    fn admit_samples(&mut self, key: u64, first: usize, seq_room: usize) -> usize {
+    /// Starts up to `seq_room` samples of request `key` from sample `first` in
+    /// `available` blocks, keeping `reserve_per_sample` of them free per started sample,
+    /// and sharing the prompt's full blocks when two or more start together. Returns how
+    /// many started.
+    fn admit_samples(
+        &mut self,
+        key: u64,
+        first: usize,
+        seq_room: usize,
+        available: usize,
+        reserve_per_sample: usize,
+    ) -> usize {
         let request = &self.requests[&key];
         let prompt_len = request.prompt.len();
         let remaining = (request.n - first).min(seq_room);
         let block_size = self.blocks.block_size();
-        let free = self.blocks.num_free();
         // Leave at least one prompt token to each sample, for its own first logits.
         let shared_blocks = (prompt_len - 1) / block_size;
         let own_blocks_shared = self.blocks.blocks_for(prompt_len) - shared_blocks;
-        let sharing_fits = free
+        let sharing_fits = available
             .checked_sub(shared_blocks)
-            .map_or(0, |left| left / own_blocks_shared);
+            .map_or(0, |left| left / (own_blocks_shared + reserve_per_sample));
         let share = shared_blocks > 0 && remaining.min(sharing_fits) >= 2;
         let count = if share {
             remaining.min(sharing_fits)
         } else {
-            remaining.min(free / self.blocks.blocks_for(prompt_len))
+            remaining.min(available / (self.blocks.blocks_for(prompt_len) + reserve_per_sample))
         };
         if count == 0 {
             return 0;

@@ -273,6 +273,30 @@ fn matches_the_uncached_reference() {
 }
 
 #[test]
+fn every_cache_and_budget_shape_matches_the_reference() {
+    let model = ContextHashModel::default();
+    let mut requests = mixed_requests();
+    requests[7].params.stop_token_ids = vec![3, 17, 40];
+    let expected: Vec<Generation> = requests.iter().flat_map(reference).collect();
+    // (blocks, block size, tokens per step, running samples)
+    for (blocks, block_size, budget, running) in [
+        (16, 4, 1, 64),
+        (16, 4, 64, 2),
+        (48, 1, 9, 5),
+        (6, 16, 100, 64),
+        (9, 8, 2, 64),
+        (300, 3, 1000, 64),
+    ] {
+        let config = SamplerConfig {
+            max_running_seqs: running,
+            ..config(blocks, block_size, budget)
+        };
+        let (out, _) = generate(&model, config.clone(), &requests);
+        assert_eq!(out, expected, "{config:?}");
+    }
+}
+
+#[test]
 fn a_request_samples_the_same_alone_and_in_a_busy_batch() {
     let model = ContextHashModel::default();
     let mut target = request(99, 21, 3, 30);
