@@ -20,6 +20,11 @@ impl CudaBackend {
         Err(Error::NotCompiledWithCuda)
     }
 
+    /// Always [`Error::NotCompiledWithCuda`].
+    pub fn compile_kernels(_arch: &'static str) -> Result<Vec<(&'static str, usize)>> {
+        Err(Error::NotCompiledWithCuda)
+    }
+
     /// Never called: no value of this type exists.
     pub fn warm_up(&self) -> Result<()> {
         match *self {}
