@@ -180,7 +180,7 @@ fn cached_decode_matches_forward(architecture: Architecture) {
     for (i, s) in seqs.iter().enumerate() {
         let stats = m
             .forward(
-                &PackedBatch::from_sequences(&[s.tokens.clone()]).unwrap(),
+                &PackedBatch::from_sequences(std::slice::from_ref(&s.tokens)).unwrap(),
                 1.0,
             )
             .unwrap();
