@@ -10,10 +10,11 @@
 //! still generate; [`Sampler::generate`] wraps it all into a blocking call.
 //!
 //! # Prefix sharing
-//! The samples of one request share the KV blocks of their prompt's full blocks: a
-//! prefill-only sequence computes them once, and each sample then recomputes only the
-//! prompt's last partial block (between 1 and `block_size` tokens) in a block of its own
-//! before decoding (see [`crate::kv_blocks`]).
+//! Samples that start together with one prompt (the samples of a request, and of the
+//! requests queued right behind it with the same prompt) share the KV of the prompt's
+//! full blocks: a prefill-only sequence computes them once, and each sample then
+//! recomputes only the prompt's last partial block (between 1 and `block_size` tokens)
+//! in a block of its own before decoding (see [`crate::kv_blocks`]).
 //!
 //! # Determinism
 //! Each sample draws token `i` with `(seed, offset = i)` from the backend's
@@ -247,9 +248,11 @@ struct SampleSeq {
     waits_for: Option<u64>,
 }
 
-/// A prefill-only sequence computing the shared prompt blocks of a request's samples.
+/// A prefill-only sequence computing the shared prompt blocks of samples that start
+/// together.
 struct PrefixFill {
-    key: u64,
+    /// Unique among fills; what waiting samples refer to.
+    id: u64,
     tokens: Vec<u32>,
     computed: usize,
     table: BlockTable,
@@ -323,6 +326,7 @@ pub struct Sampler<M: CachedModel> {
     /// In admission order, so the newest is preempted first.
     running: Vec<Running>,
     next_key: u64,
+    next_fill: u64,
     stats: SamplerStats,
 }
 
@@ -354,6 +358,7 @@ impl<M: CachedModel> Sampler<M> {
             waiting: VecDeque::new(),
             running: Vec::new(),
             next_key: 0,
+            next_fill: 0,
             stats: SamplerStats::default(),
         })
     }
@@ -598,10 +603,10 @@ impl<M: CachedModel> Sampler<M> {
         }
         for &index in &removals {
             if let Running::Prefix(fill) = &self.running[index] {
-                let key = fill.key;
+                let id = fill.id;
                 for running in &mut self.running {
                     if let Running::Sample(seq) = running {
-                        if seq.waits_for == Some(key) {
+                        if seq.waits_for == Some(id) {
                             seq.waits_for = None;
                         }
                     }
@@ -762,11 +767,11 @@ impl<M: CachedModel> Sampler<M> {
         };
         self.blocks.release(&mut seq.table);
         seq.computed = 0;
-        if let Some(key) = seq.waits_for.take() {
+        if let Some(id) = seq.waits_for.take() {
             let position = self
                 .running
                 .iter()
-                .position(|r| matches!(r, Running::Prefix(f) if f.key == key))
+                .position(|r| matches!(r, Running::Prefix(f) if f.id == id))
                 .expect("a waiting sample's prefix fill is running");
             let Running::Prefix(fill) = &mut self.running[position] else {
                 unreachable!()
@@ -820,34 +825,61 @@ impl<M: CachedModel> Sampler<M> {
                 true
             }
             Some(Waiting::Request { key, next }) => {
-                let admitted =
-                    self.admit_samples(key, next, seq_room, available, reserve_per_sample);
-                if next + admitted < self.requests[&key].n {
-                    self.waiting.push_front(Waiting::Request {
-                        key,
-                        next: next + admitted,
-                    });
+                // Requests queued right behind with the same prompt (as when a client
+                // sends one request per sample) start together and share its blocks.
+                let mut members = vec![(key, next)];
+                while let Some(&Waiting::Request {
+                    key: other,
+                    next: 0,
+                }) = self.waiting.front()
+                {
+                    if self.requests[&other].prompt != self.requests[&key].prompt {
+                        break;
+                    }
+                    members.push((other, 0));
+                    self.waiting.pop_front();
                 }
-                admitted > 0
+                let started = self.admit_samples(&members, seq_room, available, reserve_per_sample);
+                // Give back what did not start, keeping queue order.
+                let mut left = started;
+                let mut rest = Vec::new();
+                for (key, next) in members {
+                    let take = left.min(self.requests[&key].n - next);
+                    left -= take;
+                    if next + take < self.requests[&key].n {
+                        rest.push(Waiting::Request {
+                            key,
+                            next: next + take,
+                        });
+                    }
+                }
+                for waiting in rest.into_iter().rev() {
+                    self.waiting.push_front(waiting);
+                }
+                started > 0
             }
         }
     }
 
-    /// Starts up to `seq_room` samples of request `key` from sample `first` in
-    /// `available` blocks, keeping `reserve_per_sample` of them free per started sample,
-    /// and sharing the prompt's full blocks when two or more start together. Returns how
+    /// Starts, in order, as many of the not-yet-started samples of `members` (requests
+    /// with one prompt, each from its sample `next`) as `seq_room` and `available`
+    /// blocks allow, keeping `reserve_per_sample` blocks free per started sample, and
+    /// sharing the prompt's full blocks when two or more start together. Returns how
     /// many started.
     fn admit_samples(
         &mut self,
-        key: u64,
-        first: usize,
+        members: &[(u64, usize)],
         seq_room: usize,
         available: usize,
         reserve_per_sample: usize,
     ) -> usize {
-        let request = &self.requests[&key];
-        let prompt_len = request.prompt.len();
-        let remaining = (request.n - first).min(seq_room);
+        let prompt = self.requests[&members[0].0].prompt.clone();
+        let prompt_len = prompt.len();
+        let remaining = members
+            .iter()
+            .map(|(key, next)| self.requests[key].n - next)
+            .sum::<usize>()
+            .min(seq_room);
         let block_size = self.blocks.block_size();
         // Leave at least one prompt token to each sample, for its own first logits.
         let shared_blocks = (prompt_len - 1) / block_size;
@@ -865,27 +897,30 @@ impl<M: CachedModel> Sampler<M> {
             return 0;
         }
 
-        let prompt = request.prompt.clone();
         let fill = share.then(|| {
             let mut table = BlockTable::default();
             self.blocks
                 .grow(&mut table, shared_blocks * block_size)
                 .expect("counted above");
+            self.next_fill += 1;
             PrefixFill {
-                key,
+                id: self.next_fill,
                 tokens: prompt[..shared_blocks * block_size].to_vec(),
                 computed: 0,
                 table,
                 dependents: count,
             }
         });
+        let starting = members
+            .iter()
+            .flat_map(|&(key, next)| (next..self.requests[&key].n).map(move |index| (key, index)));
         let mut samples = Vec::with_capacity(count);
-        for index in first..first + count {
+        for (key, index) in starting.take(count) {
             let (mut table, computed, waits_for) = match &fill {
                 Some(fill) => (
                     self.blocks.share_prefix(&fill.table, shared_blocks),
                     fill.tokens.len(),
-                    Some(key),
+                    Some(fill.id),
                 ),
                 None => (BlockTable::default(), 0, None),
             };

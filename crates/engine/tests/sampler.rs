@@ -325,6 +325,24 @@ fn samples_of_a_request_share_the_prompts_full_blocks() {
     let (out, stats) = generate(&model, config(64, 8, 1024), &requests);
     assert_eq!(out, reference(&requests[0]));
     assert_eq!(stats.prefill_tokens, 40 + 6 * 2);
+    // One request per sample, as Tinker clients send them: the same sharing.
+    let per_sample: Vec<SampleRequest> = (0..6)
+        .map(|seed| SampleRequest {
+            id: 10 + seed,
+            params: SamplingParams {
+                seed: Some(seed),
+                ..requests[0].params.clone()
+            },
+            n: 1,
+            ..requests[0].clone()
+        })
+        .collect();
+    let (out, stats) = generate(&model, config(64, 8, 1024), &per_sample);
+    assert_eq!(
+        out,
+        per_sample.iter().flat_map(reference).collect::<Vec<_>>()
+    );
+    assert_eq!(stats.prefill_tokens, 40 + 6 * 2);
     // Prompt of exactly 5 full blocks: the last block is recomputed by every sample.
     let requests = [request(2, 40, 6, 1)];
     let (_, stats) = generate(&model, config(64, 8, 1024), &requests);
