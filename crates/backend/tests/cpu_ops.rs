@@ -778,3 +778,68 @@ fn bad_arguments_are_errors_naming_the_op_and_argument() {
     assert!(b.upload(&[1.0], BufKind::Index).is_err());
     assert!(b.download(&ids).is_err());
 }
+
+#[test]
+fn sample_draws_each_row_with_the_reference_sampler() {
+    use floe_backend::sampling::sample_row;
+    use floe_backend::SamplingRow;
+    let b = B::new();
+    let mut rng = Rng(9);
+    let vocab = 11;
+    let logits = rng.vec(3 * vocab);
+    let rows: Vec<SamplingRow> = (0..3)
+        .map(|i| SamplingRow {
+            temperature: [0.0, 0.7, 1.0][i],
+            top_k: [0, 5, 0][i],
+            top_p: [1.0, 1.0, 0.9][i],
+            min_p: 0.0,
+            seed: 42 + i as u64,
+            offset: 3,
+        })
+        .collect();
+    let got = b.sample(&up(&b, &logits), vocab, &rows).unwrap();
+    for (i, row) in rows.iter().enumerate() {
+        let z: Vec<f32> = logits[i * vocab..(i + 1) * vocab]
+            .iter()
+            .map(|&x| x as f32)
+            .collect();
+        assert_eq!(got[i], sample_row(&z, row), "row {i}");
+    }
+    assert!(b.sample(&up(&b, &logits), 10, &rows).is_err());
+}
+
+#[test]
+fn f32_backend_agrees_with_f64() {
+    let (b32, b64) = (CpuBackend::<f32>::new(), B::new());
+    let mut rng = Rng(10);
+    let (tokens, dim, vocab) = (9, 24, 300);
+    let spec = LmHead {
+        tokens,
+        dim,
+        vocab,
+        logit_scale: 1.0,
+        chunk_rows: 4,
+    };
+    let (h, w) = (rng.vec(tokens * dim), rng.vec(vocab * dim));
+    let targets: Vec<u32> = (0..tokens).map(|_| rng.below(vocab as u32)).collect();
+    fn run<T: floe_backend::cpu::CpuFloat>(
+        b: &CpuBackend<T>,
+        h: &[f64],
+        w: &[f64],
+        targets: &[u32],
+        spec: LmHead,
+    ) -> Vec<f64> {
+        let full = |n| b.zeros(n, BufKind::Full).unwrap();
+        let (mut lp, mut ent, mut lse) = (full(spec.tokens), full(spec.tokens), full(spec.tokens));
+        let up = |x: &[f64]| b.upload_f64(x, BufKind::Compute).unwrap();
+        let tg = b.upload_index(targets).unwrap();
+        b.lm_head_forward(&mut lp, &mut ent, &mut lse, &up(h), &up(w), &tg, spec)
+            .unwrap();
+        let mut out = b.download_f64(&lp).unwrap();
+        out.extend(b.download_f64(&ent).unwrap());
+        out
+    }
+    let want = run(&b64, &h, &w, &targets, spec);
+    let got = run(&b32, &h, &w, &targets, spec);
+    assert_close("f32 lm_head", &got, &want, 1e-5);
+}
