@@ -11,8 +11,9 @@ float64, so no GPU is used). Three modes:
   #    from the saved (reloaded) weights. Writes OUT/fixtures.tar.
   python3 tools/make_hf_fixtures.py --out OUT
 
-  # 2. Check a folder of models floe saved (one sub-folder per fixture name): transformers
-  #    loads each and its log-probs must equal the fixture's.
+  # 2. Check a folder of models floe saved (sub-folders named after fixtures, optionally
+  #    with a suffix, e.g. qwen3_tiny.sharded): transformers loads each and its log-probs
+  #    must equal the fixture's.
   python3 tools/make_hf_fixtures.py --check-floe-save DIR --fixtures crates/model/tests/fixtures
 
   # 3. Check a tokenizer folder floe saved: AutoTokenizer loads it, and its encodings and
@@ -183,16 +184,19 @@ def check_floe_save(root, fixtures):
     with open(os.path.join(fixtures, "hf_parity.json")) as f:
         fixture = json.load(f)
     checked, worst = 0, 0.0
-    for name, expected in fixture["models"].items():
-        path = os.path.join(root, name)
-        if not os.path.isdir(path):
+    for entry in sorted(os.listdir(root)):
+        # A folder is named after its fixture, optionally with a suffix: qwen3_tiny.sharded.
+        name = entry.split(".")[0]
+        expected = fixture["models"].get(name)
+        path = os.path.join(root, entry)
+        if expected is None or not os.path.isdir(path):
             continue
         model = load_f64(path)
         assert type(model).__name__ == expected["architecture"], (name, type(model).__name__)
         diff = max(abs(a - b)
                    for seq, want in zip(fixture["sequences"], expected["logprobs"])
                    for a, b in zip(next_token_logprobs(model, seq), want))
-        print(f"{name}: transformers loads floe's save as {type(model).__name__}; "
+        print(f"{entry}: transformers loads floe's save as {type(model).__name__}; "
               f"max |logprob - fixture| = {diff:.3e}")
         worst, checked = max(worst, diff), checked + 1
     if checked == 0:

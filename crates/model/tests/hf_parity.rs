@@ -15,7 +15,7 @@ use floe_backend::{Backend, SamplingRow};
 use floe_model::batch::PackedBatch;
 use floe_model::decode::CachedInput;
 use floe_model::transformer::Transformer;
-use floe_model::weights::{load_model_dir, save_model_dir, SaveDType};
+use floe_model::weights::{load_model_dir, save_model_dir, save_model_dir_sharded, SaveDType};
 use serde::Deserialize;
 
 /// The fixture format this test reads; `FIXTURE_VERSION` in the generator.
@@ -175,8 +175,9 @@ fn greedy_continuations_match_transformers() {
     }
 }
 
-/// Saves each fixture model back with `save_model_dir` (f32 models as F32, bf16 ones as
-/// BF16, which is exact for them) and checks the reload is identical. With
+/// Saves each fixture model back with `save_model_dir`, in one file and in shards (f32
+/// models as F32, bf16 ones as BF16, which is exact for them), and checks the reloads are
+/// identical. With
 /// `FLOE_HF_RESAVE_DIR` set, the saves go there too, for
 /// `tools/make_hf_fixtures.py --check-floe-save DIR` to load in transformers.
 #[test]
@@ -196,6 +197,12 @@ fn resaved_fixtures_reload_identically() {
             save_model_dir(&dir, &config, &weights, dtype).unwrap();
             let (c2, w2) = load_model_dir(&dir).unwrap();
             assert_eq!((&c2, &w2), (&config, &weights), "{name}");
+            // The same model in shards of at most 64 KiB, with an index.
+            let sharded = root.join(format!("{name}.sharded"));
+            save_model_dir_sharded(&sharded, &config, &weights, dtype, 64 << 10).unwrap();
+            assert!(sharded.join("model.safetensors.index.json").is_file());
+            let (c3, w3) = load_model_dir(&sharded).unwrap();
+            assert_eq!((&c3, &w3), (&config, &weights), "{name} sharded");
         }
     }
 }
