@@ -40,6 +40,7 @@ use floe_backend::{Backend, SamplingRow};
 pub use floe_model::decode::CachedInput;
 use floe_model::decode::KvCache;
 use floe_model::transformer::{ModelError, Transformer};
+use serde::{Deserialize, Serialize};
 
 use crate::kv_blocks::{BlockManager, BlockTable};
 use crate::stop::{Stop, StopConditions, StopReason};
@@ -73,7 +74,8 @@ pub trait CachedModel {
 }
 
 /// How to sample one request.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct SamplingParams {
     /// Softmax temperature; 0 means greedy.
     pub temperature: f32,
@@ -89,6 +91,9 @@ pub struct SamplingParams {
     pub stop_token_ids: Vec<u32>,
     /// Strings that end a sample when they appear in its detokenized text.
     pub stop_strings: Vec<String>,
+    /// Keep the matched stop string at the end of [`Generation::text`] (vLLM's
+    /// `include_stop_str_in_output`); the text is cut before it otherwise.
+    pub include_stop_str_in_output: bool,
     /// Seed of the request's random streams; `None` derives one from the sampler's seed
     /// and the submission order (reproducible only for the same sequence of submissions).
     pub seed: Option<u64>,
@@ -108,6 +113,7 @@ impl Default for SamplingParams {
             max_new_tokens: 256,
             stop_token_ids: Vec::new(),
             stop_strings: Vec::new(),
+            include_stop_str_in_output: false,
             seed: None,
             logprobs: true,
             force_full_length: false,
@@ -116,7 +122,7 @@ impl Default for SamplingParams {
 }
 
 /// A prompt to complete `n` times.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct SampleRequest {
     /// Caller's id, echoed in each [`Generation`].
     pub id: u64,
@@ -129,7 +135,7 @@ pub struct SampleRequest {
 }
 
 /// One finished sample.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Generation {
     /// The request's id.
     pub request_id: u64,
@@ -142,13 +148,15 @@ pub struct Generation {
     pub logprobs: Vec<f32>,
     /// Why it finished.
     pub stop_reason: StopReason,
-    /// The detokenized text, cut before the matched stop string; present only for
-    /// requests with stop strings (the only case where the sampler detokenizes).
+    /// The detokenized text, cut before the matched stop string (or right after it, with
+    /// `include_stop_str_in_output`); present only for requests with stop strings (the
+    /// only case where the sampler detokenizes).
     pub text: Option<String>,
 }
 
 /// Sizes and limits of a [`Sampler`].
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct SamplerConfig {
     /// KV blocks in the cache.
     pub num_blocks: usize,
@@ -175,7 +183,7 @@ impl Default for SamplerConfig {
 }
 
 /// Counters of the work done since the sampler was built or [`Sampler::reset_stats`].
-#[derive(Clone, Debug, Default, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct SamplerStats {
     /// Model calls.
     pub steps: u64,
@@ -1057,8 +1065,14 @@ fn append_token(
         if stops && request.stop.has_strings() {
             let text = detokenize(detokenizer, generated);
             if let Some(found) = request.stop.find_string(&text, seq.searched_text) {
-                let stop = Stop::String(request.stop.strings()[found.index].clone());
-                let cut = text[..found.start].to_string();
+                let matched = &request.stop.strings()[found.index];
+                let end = if request.params.include_stop_str_in_output {
+                    found.start + matched.len()
+                } else {
+                    found.start
+                };
+                let cut = text[..end].to_string();
+                let stop = Stop::String(matched.clone());
                 return Some((StopReason::Stop(stop), Some(cut)));
             }
             seq.searched_text = text.len();

@@ -5,8 +5,10 @@
 //! policy produced, and the trainer needs their log-probs), while the reported text is
 //! cut just before the stop string.
 
+use serde::{Deserialize, Serialize};
+
 /// What ended a sample early.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Stop {
     /// The sample produced this stop token id (kept as its last token).
     Token(u32),
@@ -15,7 +17,7 @@ pub enum Stop {
 }
 
 /// Why a sample finished.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum StopReason {
     /// A stop token or stop string.
     Stop(Stop),

@@ -178,7 +178,13 @@ fn reference(request: &SampleRequest) -> Vec<Generation> {
                 let text = detokenize(&tokens[request.prompt.len()..]);
                 match &stop_reason {
                     StopReason::Stop(Stop::String(s)) => {
-                        text[..text.find(s.as_str()).unwrap()].to_string()
+                        let at = text.find(s.as_str()).unwrap();
+                        let keep = if p.include_stop_str_in_output {
+                            s.len()
+                        } else {
+                            0
+                        };
+                        text[..at + keep].to_string()
                     }
                     _ => text,
                 }
@@ -365,7 +371,9 @@ fn stop_tokens_and_stop_strings() {
     let mut forced = by_token.clone();
     forced.params.force_full_length = true;
     forced.params.stop_strings = vec![stop_string.clone()];
-    let requests = [by_token, by_string, forced];
+    let mut keeping = by_string.clone();
+    keeping.params.include_stop_str_in_output = true;
+    let requests = [by_token, by_string, forced, keeping];
     let (out, _) = generate(&model, config(64, 4, 64), &requests);
 
     let first_stop = free.tokens.iter().position(|&t| t == stop_token).unwrap();
@@ -385,6 +393,13 @@ fn stop_tokens_and_stop_strings() {
     assert_eq!(
         out[1].stop_reason,
         StopReason::Stop(Stop::String(stop_string))
+    );
+
+    assert_eq!(out[3].tokens, out[1].tokens);
+    assert_eq!(
+        out[3].text.as_deref(),
+        Some(&text[..cut + 2]),
+        "stop string kept"
     );
 
     assert_eq!(out[2].tokens, free.tokens);
