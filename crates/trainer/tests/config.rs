@@ -1,0 +1,381 @@
+//! Recipe loading, overrides, error messages, validation and the effective config.
+
+use std::path::Path;
+
+use floe_trainer::config::{
+    Config, ConfigError, Device, Logger, Resume, Scheduler, EFFECTIVE_CONFIG_FILE,
+};
+
+fn overrides(items: &[&str]) -> Vec<String> {
+    items.iter().map(|item| item.to_string()).collect()
+}
+
+fn write_recipe(dir: &Path, name: &str, text: &str) -> std::path::PathBuf {
+    let path = dir.join(name);
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+#[test]
+fn embedded_recipe_loads_and_validates() {
+    let config = Config::load(None, &[]).unwrap();
+    config.validate().unwrap();
+    assert_eq!(config.model.path, "embedded:tiny");
+    assert_eq!(config.data.train_data, vec!["synthetic:sql".to_string()]);
+    assert!(config.sft.enabled);
+    assert_eq!(config.engine.device, Device::Cpu);
+}
+
+#[test]
+fn example_gpu_recipe_loads_and_validates() {
+    let recipe = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../recipes/qwen3-0.6b-bird.toml");
+    let config = Config::load(Some(&recipe), &[]).unwrap();
+    config.validate().unwrap();
+    assert_eq!(config.engine.device, Device::Cuda(0));
+    assert_eq!(config.trainer.resume, Resume::Latest);
+    assert_eq!(config.trainer.algorithm.eps_clip_high, 0.28);
+}
+
+#[test]
+fn struct_defaults_follow_skyrl() {
+    let config = Config::default();
+    assert_eq!(config.trainer.train_batch_size, 1024);
+    assert_eq!(config.trainer.policy_mini_batch_size, 256);
+    assert_eq!(config.trainer.max_prompt_length, 512);
+    assert_eq!(config.trainer.eval_interval, 5);
+    assert_eq!(config.trainer.ckpt_interval, 10);
+    assert_eq!(config.generator.n_samples_per_prompt, 5);
+    assert_eq!(config.generator.sampling_params.max_generate_length, 1024);
+    assert_eq!(config.generator.sampling_params.top_k, -1);
+    assert_eq!(config.trainer.policy.optimizer_config.lr, 1e-6);
+    assert_eq!(config.trainer.policy.optimizer_config.weight_decay, 0.01);
+    assert_eq!(config.trainer.policy.optimizer_config.max_grad_norm, 1.0);
+    assert!(config.trainer.algorithm.use_kl_loss);
+    assert_eq!(config.trainer.algorithm.kl_loss_coef, 0.001);
+}
+
+#[test]
+fn overrides_apply_in_order_and_parse_toml_values() {
+    let config = Config::load(
+        None,
+        &overrides(&[
+            "trainer.train_batch_size=16",
+            "generator.n_samples_per_prompt=8",
+            "trainer.policy.optimizer_config.lr=3e-5",
+            "trainer.policy.optimizer_config.scheduler=cosine",
+            "generator.sampling_params.stop=[\"</answer>\", \"\\n\\n\"]",
+            "model.path=/data/models/Qwen3-0.6B",
+            "trainer.resume=runs/x/global_step_10",
+            "engine.device=cuda:1",
+            "trainer.logger=tensorboard",
+            "trainer.train_batch_size = 32",
+        ]),
+    )
+    .unwrap();
+    assert_eq!(config.trainer.train_batch_size, 32);
+    assert_eq!(config.generator.n_samples_per_prompt, 8);
+    assert_eq!(config.trainer.policy.optimizer_config.lr, 3e-5);
+    assert_eq!(
+        config.trainer.policy.optimizer_config.scheduler,
+        Scheduler::Cosine
+    );
+    assert_eq!(
+        config.generator.sampling_params.stop,
+        vec!["</answer>", "\n\n"]
+    );
+    assert_eq!(config.model.path, "/data/models/Qwen3-0.6B");
+    assert_eq!(
+        config.trainer.resume,
+        Resume::Path("runs/x/global_step_10".into())
+    );
+    assert_eq!(config.engine.device, Device::Cuda(1));
+    assert_eq!(config.trainer.logger, vec![Logger::Tensorboard]);
+    // Keys the overrides did not touch keep the recipe's values.
+    assert_eq!(config.trainer.policy_mini_batch_size, 4);
+}
+
+#[test]
+fn integer_given_for_a_float_is_accepted() {
+    let config = Config::load(
+        None,
+        &overrides(&["generator.sampling_params.temperature=1"]),
+    )
+    .unwrap();
+    assert_eq!(config.generator.sampling_params.temperature, 1.0);
+}
+
+#[test]
+fn unknown_override_key_suggests_the_closest() {
+    let err = Config::load(None, &overrides(&["trainer.train_batchsize=16"])).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "unknown key 'trainer.train_batchsize' (in override #1); did you mean 'trainer.train_batch_size'?"
+    );
+}
+
+#[test]
+fn key_in_the_wrong_section_suggests_where_it_lives() {
+    let err = Config::load(
+        None,
+        &overrides(&["trainer.seed=1", "trainer.n_samples_per_prompt=4"]),
+    )
+    .unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "unknown key 'trainer.n_samples_per_prompt' (in override #2); did you mean 'generator.n_samples_per_prompt'?"
+    );
+}
+
+#[test]
+fn unknown_key_in_a_file_names_the_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let recipe = write_recipe(
+        dir.path(),
+        "r.toml",
+        "[generator.sampling_params]\ntemprature = 0.7\n",
+    );
+    let err = Config::load(Some(&recipe), &[]).unwrap_err();
+    let message = err.to_string();
+    assert!(
+        message.starts_with("unknown key 'generator.sampling_params.temprature' (in "),
+        "{message}"
+    );
+    assert!(message.contains("r.toml"), "{message}");
+    assert!(
+        message.ends_with("did you mean 'generator.sampling_params.temperature'?"),
+        "{message}"
+    );
+}
+
+#[test]
+fn far_off_key_has_no_suggestion() {
+    let err = Config::load(None, &overrides(&["wandb.project=x"])).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "unknown key 'wandb.project' (in override #1)"
+    );
+}
+
+#[test]
+fn type_error_names_key_origin_and_expected_type() {
+    let err = Config::load(None, &overrides(&["trainer.train_batch_size=lots"])).unwrap_err();
+    let message = err.to_string();
+    assert!(
+        message.starts_with("bad value for 'trainer.train_batch_size' (in override #1): invalid type: string \"lots\""),
+        "{message}"
+    );
+    assert!(message.contains("expected"), "{message}");
+
+    let dir = tempfile::tempdir().unwrap();
+    let recipe = write_recipe(dir.path(), "r.toml", "[engine]\ndevice = \"gpu\"\n");
+    let message = Config::load(Some(&recipe), &[]).unwrap_err().to_string();
+    assert!(
+        message.starts_with("bad value for 'engine.device' (in "),
+        "{message}"
+    );
+    assert!(message.contains("expected `cpu` or `cuda:N`"), "{message}");
+
+    let message = Config::load(
+        None,
+        &overrides(&["trainer.policy.optimizer_config.scheduler=cosin"]),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        message.contains("'trainer.policy.optimizer_config.scheduler'"),
+        "{message}"
+    );
+    assert!(message.contains("cosine"), "{message}");
+}
+
+#[test]
+fn malformed_override_and_toml_are_reported() {
+    let err = Config::load(None, &overrides(&["trainer.train_batch_size"])).unwrap_err();
+    assert!(matches!(err, ConfigError::OverrideSyntax { .. }), "{err}");
+    assert!(err.to_string().contains("is not KEY=VALUE"));
+
+    let dir = tempfile::tempdir().unwrap();
+    let recipe = write_recipe(dir.path(), "broken.toml", "[trainer\nseed = 1\n");
+    let message = Config::load(Some(&recipe), &[]).unwrap_err().to_string();
+    assert!(
+        message.contains("broken.toml is not valid TOML"),
+        "{message}"
+    );
+
+    let missing = dir.path().join("missing.toml");
+    let message = Config::load(Some(&missing), &[]).unwrap_err().to_string();
+    assert!(message.contains("missing.toml"), "{message}");
+}
+
+#[test]
+fn later_files_layer_over_earlier_ones() {
+    let dir = tempfile::tempdir().unwrap();
+    let base = write_recipe(
+        dir.path(),
+        "base.toml",
+        "[trainer]\nseed = 7\ntrain_batch_size = 64\n[data]\ntrain_data = [\"a.parquet\"]\n",
+    );
+    let top = write_recipe(dir.path(), "top.toml", "[trainer]\ntrain_batch_size = 32\n");
+    let config = Config::load_files(&[&base, &top], &overrides(&["trainer.seed=9"])).unwrap();
+    assert_eq!(config.trainer.train_batch_size, 32);
+    assert_eq!(config.trainer.seed, 9);
+    assert_eq!(config.data.train_data, vec!["a.parquet".to_string()]);
+    // Unset keys keep struct defaults.
+    assert_eq!(config.trainer.policy_mini_batch_size, 256);
+}
+
+fn invalid_messages(items: &[&str]) -> Vec<String> {
+    let config = Config::load(None, &overrides(items)).unwrap();
+    match config.validate() {
+        Err(ConfigError::Invalid(problems)) => problems,
+        other => panic!("expected an invalid config, got {other:?}"),
+    }
+}
+
+#[test]
+fn batch_sizes_must_divide() {
+    let problems = invalid_messages(&[
+        "trainer.train_batch_size=10",
+        "trainer.policy_mini_batch_size=4",
+    ]);
+    assert_eq!(problems.len(), 1, "{problems:?}");
+    assert!(
+        problems[0].starts_with(
+            "trainer.train_batch_size (10) is not a multiple of trainer.policy_mini_batch_size (4)"
+        ),
+        "{problems:?}"
+    );
+    assert!(problems[0].contains("2 or 5"), "{problems:?}");
+
+    let problems = invalid_messages(&["trainer.micro_train_batch_size_per_gpu=5"]);
+    assert_eq!(problems.len(), 1, "{problems:?}");
+    assert!(
+        problems[0].contains("(4 × 4 = 16 sequences)"),
+        "{problems:?}"
+    );
+    assert!(
+        problems[0].contains("trainer.micro_train_batch_size_per_gpu (5)"),
+        "{problems:?}"
+    );
+
+    // A token budget replaces the sequence-count rule.
+    Config::load(
+        None,
+        &overrides(&[
+            "trainer.micro_train_batch_size_per_gpu=5",
+            "trainer.max_tokens_per_microbatch=4096",
+        ]),
+    )
+    .unwrap()
+    .validate()
+    .unwrap();
+}
+
+#[test]
+fn kl_placements_are_exclusive() {
+    let problems = invalid_messages(&[
+        "trainer.algorithm.use_kl_loss=true",
+        "trainer.algorithm.use_kl_in_reward=true",
+    ]);
+    assert_eq!(problems.len(), 1, "{problems:?}");
+    assert!(
+        problems[0].contains("use_kl_loss and trainer.algorithm.use_kl_in_reward are both true")
+    );
+}
+
+#[test]
+fn seq_mean_token_sum_norm_needs_max_seq_len() {
+    let problems = invalid_messages(&["trainer.algorithm.loss_reduction=seq_mean_token_sum_norm"]);
+    assert_eq!(problems.len(), 1, "{problems:?}");
+    assert!(
+        problems[0].contains("set trainer.algorithm.max_seq_len"),
+        "{problems:?}"
+    );
+    Config::load(
+        None,
+        &overrides(&[
+            "trainer.algorithm.loss_reduction=seq_mean_token_sum_norm",
+            "trainer.algorithm.max_seq_len=320",
+        ]),
+    )
+    .unwrap()
+    .validate()
+    .unwrap();
+}
+
+#[test]
+fn every_broken_rule_is_reported_at_once() {
+    let problems = invalid_messages(&[
+        "trainer.max_prompt_length=0",
+        "generator.sampling_params.top_p=1.5",
+        "trainer.policy.optimizer_config.lr=-1",
+        "trainer.eval_interval=0",
+        "engine.memory_fraction=2.0",
+    ]);
+    let joined = problems.join("\n");
+    assert_eq!(problems.len(), 5, "{joined}");
+    assert!(joined.contains("trainer.max_prompt_length is 0"));
+    assert!(joined.contains("generator.sampling_params.top_p is 1.5"));
+    assert!(joined.contains("trainer.policy.optimizer_config.lr is -1"));
+    assert!(joined.contains("trainer.eval_interval is 0; use a positive number, or -1"));
+    assert!(joined.contains("engine.memory_fraction is 2"));
+}
+
+#[test]
+fn lengths_must_fit_the_model_context() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("config.json"),
+        r#"{"architectures": ["Qwen3ForCausalLM"], "max_position_embeddings": 1024}"#,
+    )
+    .unwrap();
+    let model = format!("model.path={}", dir.path().display());
+    let problems = invalid_messages(&[
+        &model,
+        "trainer.max_prompt_length=800",
+        "generator.sampling_params.max_generate_length=300",
+    ]);
+    assert_eq!(problems.len(), 1, "{problems:?}");
+    assert!(
+        problems[0].contains("(800 + 300 = 1100) exceeds the model's context of 1024 tokens"),
+        "{problems:?}"
+    );
+
+    let config = Config::load(None, &[]).unwrap();
+    assert!(config.validate_context_length(4096).is_ok());
+    let message = config.validate_context_length(128).unwrap_err().to_string();
+    assert!(
+        message.contains("exceeds the model's context of 128 tokens"),
+        "{message}"
+    );
+}
+
+#[test]
+fn effective_config_round_trips() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = Config::load(
+        None,
+        &overrides(&[
+            "trainer.max_training_steps=3",
+            "generator.sampling_params.stop=[\"</sql>\"]",
+        ]),
+    )
+    .unwrap();
+    let path = config.save_effective(&dir.path().join("run")).unwrap();
+    assert_eq!(path, dir.path().join("run").join(EFFECTIVE_CONFIG_FILE));
+    let text = std::fs::read_to_string(&path).unwrap();
+    // Every section is spelled out, defaults included.
+    for section in [
+        "[data]",
+        "[trainer.policy.optimizer_config]",
+        "[trainer.algorithm]",
+        "[generator.eval_sampling_params]",
+        "[environment.sql]",
+        "[sft]",
+    ] {
+        assert!(text.contains(section), "{section} missing from\n{text}");
+    }
+    assert!(text.contains("micro_forward_batch_size_per_gpu"), "{text}");
+    let reloaded = Config::load(Some(&path), &[]).unwrap();
+    assert_eq!(reloaded, config);
+}
