@@ -14,6 +14,49 @@
 //! - [`packing`]: rollouts to training micro-batches under a token budget, with the
 //!   prompt shared once per group ([`pack_rollouts`]), and the map from packed rows back
 //!   to (sample, token).
+//!
+//! Sampling a group and packing it for training:
+//!
+//! ```
+//! use std::sync::Arc;
+//!
+//! use floe_backend::cpu::CpuBackend;
+//! use floe_engine::{
+//!     pack_rollouts, PackingConfig, PackingMode, Response, RolloutGroup, SampleRequest,
+//!     Sampler, SamplerConfig, SamplingParams,
+//! };
+//! use floe_model::{transformer::Transformer, ModelConfig};
+//!
+//! let mut config = ModelConfig::preset("tiny")?;
+//! config.vocab_size = 512;
+//! let model = Transformer::new_random(Arc::new(CpuBackend::<f32>::new()), config, 0)?;
+//! let mut sampler = Sampler::new(&model, SamplerConfig { num_blocks: 16, ..Default::default() })?;
+//! let request = SampleRequest {
+//!     id: 0,
+//!     prompt: vec![1, 2, 3],
+//!     n: 4,
+//!     params: SamplingParams { max_new_tokens: 8, seed: Some(7), ..Default::default() },
+//! };
+//! let generations = sampler.generate(&model, vec![request.clone()])?;
+//!
+//! // One group: the prompt once, shared by its four responses.
+//! let group = RolloutGroup {
+//!     prompt: request.prompt,
+//!     responses: generations
+//!         .iter()
+//!         .map(|g| Response { tokens: g.tokens.clone(), weights: vec![1.0; g.tokens.len()] })
+//!         .collect(),
+//! };
+//! let packing = PackingConfig { max_tokens_per_microbatch: 4096, mode: PackingMode::Shared };
+//! let micro = &pack_rollouts(&[group], packing)?[0];
+//! let stats = model.forward(&micro.batch, 1.0)?;
+//! // The trainer's log-prob of every sampled token is the sampler's.
+//! micro.for_each_scored_row(|row, token| {
+//!     let sampled = generations[token.response as usize].logprobs[token.token as usize];
+//!     assert!((stats.logprobs[row] - f64::from(sampled)).abs() < 1e-3);
+//! });
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
 
 #![deny(missing_docs)]
 

@@ -532,6 +532,9 @@ impl<M: CachedModel> Sampler<M> {
 
     /// One scheduling round and model call; each sample that finishes goes to
     /// `on_finish`. Does nothing when idle.
+    ///
+    /// `on_finish` runs between model calls, so it should be quick: hand the sample to
+    /// a channel or a thread pool to score it while generation goes on.
     pub fn step(
         &mut self,
         model: &M,
