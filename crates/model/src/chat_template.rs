@@ -174,6 +174,18 @@ impl ChatTemplate {
         Ok(this)
     }
 
+    /// The chat template that came with `tokenizer` (from its folder, or Qwen3's for a
+    /// [`crate::tokenizer::train_bpe`] tokenizer), given its `eos_token`; `None` when it
+    /// has none.
+    pub fn from_tokenizer(tokenizer: &crate::tokenizer::Tokenizer) -> Result<Option<Self>> {
+        let Some(source) = &tokenizer.chat_template else {
+            return Ok(None);
+        };
+        let mut this = Self::compile(source.clone(), "<tokenizer>".into())?;
+        this.eos_token = tokenizer.eos_token.clone();
+        Ok(Some(this))
+    }
+
     /// The Jinja source.
     pub fn source(&self) -> &str {
         &self.source

@@ -358,11 +358,19 @@ impl ModelConfig {
             }
             None => Vec::new(),
         };
-        let attention_bias = match architecture {
-            // Qwen2 hard-codes bias on q/k/v in transformers.
-            Architecture::Qwen2 => true,
-            _ => keys.bool_opt("attention_bias")?.unwrap_or(false),
-        };
+        // Qwen2 hard-codes bias on q/k/v in transformers. For Llama and Qwen3,
+        // `attention_bias` also puts a bias on o_proj, which floe does not implement.
+        let attention_bias = architecture == Architecture::Qwen2;
+        if !attention_bias && keys.bool_opt("attention_bias")? == Some(true) {
+            return Err(ConfigError::Unsupported {
+                origin: origin.into(),
+                key: "attention_bias".into(),
+                msg: format!(
+                    "bias on the attention projections of {}",
+                    architecture.hf_class()
+                ),
+            });
+        }
 
         Ok(ModelConfig {
             architecture,

@@ -111,6 +111,12 @@ fn save_and_load_preserve_everything() {
     assert_eq!(config["added_tokens_decoder"]["400"]["special"], false);
     assert_eq!(config["added_tokens_decoder"]["2"]["special"], true);
 
+    let from_tokenizer = ChatTemplate::from_tokenizer(&loaded).unwrap().unwrap();
+    let again = from_tokenizer
+        .render(&[ChatMessage::new("user", "hi")], true, &json!({}))
+        .unwrap();
+    assert_eq!(again, prompt);
+
     // generation_config.json adds end-of-sequence ids after eos_token's.
     std::fs::write(
         dir.path().join("generation_config.json"),

@@ -217,6 +217,10 @@ fn config_errors_name_the_file_and_key() {
     gqa["num_key_value_heads"] = json!(3);
     let msg = ModelConfig::from_hf_json(&gqa).unwrap_err().to_string();
     assert!(msg.contains("num_key_value_heads"), "{msg}");
+    let mut biased = base.clone();
+    biased["attention_bias"] = json!(true);
+    let msg = ModelConfig::from_hf_json(&biased).unwrap_err().to_string();
+    assert!(msg.contains("attention_bias"), "{msg}");
     let mut sliding = base;
     sliding["use_sliding_window"] = json!(true);
     let msg = ModelConfig::from_hf_json(&sliding).unwrap_err().to_string();
