@@ -3,16 +3,29 @@
 
 use crate::{Error, Result, Segment};
 
-/// Rows per tile of every attention kernel (`ROWS` in `attention.cu`).
-pub(crate) const TILE: u32 = 32;
+/// Query rows per forward / dQ block (`Q_TILE` in `attention.cu`).
+pub(crate) const QUERY_TILE: u32 = 64;
+/// Key rows per dK/dV block (`K_TILE` in `attention.cu`).
+pub(crate) const KEY_TILE: u32 = 64;
+/// Query rows per shared-memory tile of the dK/dV kernel (`QB_TILE`).
+pub(crate) const DKDV_QUERY_TILE: u32 = 32;
+/// Threads of every attention block (4 warps).
+pub(crate) const THREADS: u32 = 128;
+
+/// Dynamic shared memory of the dK/dV kernel: K and V tiles, Q and dO tiles (rows padded
+/// by 8 bf16), then the tile's log-sum-exps and deltas.
+pub(crate) fn dkdv_shared_bytes(head_dim: usize) -> u32 {
+    let row_bytes = (head_dim as u32 + 8) * 2;
+    (2 * KEY_TILE + 2 * DKDV_QUERY_TILE) * row_bytes + 2 * DKDV_QUERY_TILE * 4
+}
 
 /// The work lists of one attention call, flattened to `u32` for upload.
 pub(crate) struct WorkLists {
     /// `[n_seg * 4]`: start, len, prefix_start, prefix_len.
     pub segs: Vec<u32>,
-    /// `[n_item * 3]`: segment, first query, end query (at most [`TILE`] queries).
+    /// `[n_item * 3]`: segment, first query, end query (at most [`QUERY_TILE`] queries).
     pub query_tiles: Vec<u32>,
-    /// `[n_tile * 2]`: first key, end key (at most [`TILE`] keys).
+    /// `[n_tile * 2]`: first key, end key (at most [`KEY_TILE`] keys).
     pub key_tiles: Vec<u32>,
     /// `[n_tile + 1]`: offsets of each key tile's query ranges in `ranges`.
     pub tile_ranges: Vec<u32>,
@@ -64,7 +77,7 @@ pub(crate) fn work_lists(
         segs.extend([s.start, s.len, prefix_start, s.prefix_len]);
         let mut lo = s.start;
         while lo < s.start + s.len {
-            let hi = (lo + TILE).min(s.start + s.len);
+            let hi = (lo + QUERY_TILE).min(s.start + s.len);
             query_tiles.extend([i as u32, lo, hi]);
             lo = hi;
         }
@@ -91,7 +104,7 @@ pub(crate) fn work_lists(
         for (a, b) in merged {
             let mut lo = a;
             while lo < b {
-                let hi = (lo + TILE).min(b);
+                let hi = (lo + KEY_TILE).min(b);
                 key_tiles.extend([lo, hi]);
                 for (i, s) in segments.iter().enumerate() {
                     let s_end = s.start + s.len;

@@ -185,6 +185,9 @@ pub struct CudaBackend {
     _blas_workspace: CudaSlice<u8>,
 }
 
+/// Shared memory a block may use without opting in.
+const STATIC_SHARED_LIMIT: u32 = 48 * 1024;
+
 /// Bytes of cuBLAS workspace (the size NVIDIA recommends on Hopper).
 const BLAS_WORKSPACE_BYTES: usize = 32 << 20;
 
@@ -332,6 +335,13 @@ impl CudaBackend {
             return Ok(());
         }
         let f = self.function(module, kernel)?;
+        if cfg.shared_mem_bytes > STATIC_SHARED_LIMIT {
+            // Blocks get more than 48 KiB of shared memory only when the function opts in.
+            f.set_attribute(
+                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                cfg.shared_mem_bytes as i32,
+            )?;
+        }
         let slots: Vec<u64> = args.iter().map(|a| a.slot()).collect();
         let mut builder = self.stream.launch_builder(&f);
         for slot in &slots {

@@ -3,7 +3,7 @@
 
 use cudarc::driver::LaunchConfig;
 
-use super::attention::{work_lists, TILE};
+use super::attention::{dkdv_shared_bytes, work_lists, THREADS};
 use super::device::{dtype_code, int, Arg, CudaBackend, CudaBuf, Module, Storage};
 use crate::{
     sampling, AdamW, AttnShape, Backend, BufKind, Error, LmHead, Matmul, PagedLayout, Result,
@@ -737,7 +737,7 @@ impl Backend for CudaBackend {
         self.launch(
             Module::Attention,
             kernel,
-            cfg((lists.n_query_tiles() as u32, q_heads as u32, 1), TILE * 4),
+            cfg((lists.n_query_tiles() as u32, q_heads as u32, 1), THREADS),
             &[
                 self.p(out),
                 self.p(lse),
@@ -838,7 +838,7 @@ impl Backend for CudaBackend {
         self.launch(
             Module::Attention,
             dq_kernel,
-            cfg((lists.n_query_tiles() as u32, q_heads as u32, 1), TILE * 4),
+            cfg((lists.n_query_tiles() as u32, q_heads as u32, 1), THREADS),
             &args,
         )?;
         let dkdv_kernel = if d == 64 {
@@ -864,7 +864,11 @@ impl Backend for CudaBackend {
         self.launch(
             Module::Attention,
             dkdv_kernel,
-            cfg((lists.n_key_tiles() as u32, kv_heads as u32, 1), TILE * 4),
+            LaunchConfig {
+                grid_dim: (lists.n_key_tiles() as u32, kv_heads as u32, 1),
+                block_dim: (THREADS, 1, 1),
+                shared_mem_bytes: dkdv_shared_bytes(head_dim),
+            },
             &args,
         )
     }
