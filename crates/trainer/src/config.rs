@@ -14,7 +14,12 @@ use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 use std::path::{Path, PathBuf};
 
+use floe_rl::{AdvantageEstimator, LossReduction, RlError};
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+/// `[trainer.algorithm]`: advantage estimator, policy loss, KL and loss reduction, owned by
+/// the RL math crate.
+pub use floe_rl::AlgorithmConfig;
 
 /// The embedded default recipe (`recipes/embedded.toml`): a tiny model on a synthetic SQL task,
 /// SFT warm start then GRPO, sized for a 2-core laptop. `floe train` with no recipe runs it.
@@ -269,54 +274,6 @@ pub enum Scheduler {
     Linear,
     /// Half-cosine decay to 0 at the last step.
     Cosine,
-}
-
-// WIRE: replace this section with `floe_rl::AlgorithmConfig` (embedded by type) once the rl
-// crate exports it; until then it carries the SkyRL names the validation rules need.
-/// `[trainer.algorithm]`: the RL objective.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct AlgorithmConfig {
-    /// `grpo`, `rloo`, `reinforce++`, `maxrl` or `gae`.
-    pub advantage_estimator: String,
-    /// GRPO: divide by the group's standard deviation (off = Dr. GRPO).
-    pub grpo_norm_by_std: bool,
-    /// `regular`, `dual_clip`, `gspo`, `cispo`, ….
-    pub policy_loss_type: String,
-    /// `token_mean`, `sequence_mean`, `seq_mean_token_sum_norm`, `prompt_mean`.
-    pub loss_reduction: String,
-    /// Normaliser length of `seq_mean_token_sum_norm` (required by it).
-    pub max_seq_len: Option<usize>,
-    /// Lower PPO clip range.
-    pub eps_clip_low: f64,
-    /// Upper PPO clip range.
-    pub eps_clip_high: f64,
-    /// Add `kl_loss_coef · KL(policy ‖ reference)` to the loss.
-    pub use_kl_loss: bool,
-    /// Subtract `kl_loss_coef · KL` from the per-token reward instead.
-    pub use_kl_in_reward: bool,
-    /// KL coefficient.
-    pub kl_loss_coef: f64,
-    /// `k1`, `k2`, `k3` or `abs`.
-    pub kl_estimator_type: String,
-}
-
-impl Default for AlgorithmConfig {
-    fn default() -> Self {
-        Self {
-            advantage_estimator: "grpo".into(),
-            grpo_norm_by_std: true,
-            policy_loss_type: "regular".into(),
-            loss_reduction: "token_mean".into(),
-            max_seq_len: None,
-            eps_clip_low: 0.2,
-            eps_clip_high: 0.2,
-            use_kl_loss: true,
-            use_kl_in_reward: false,
-            kl_loss_coef: 0.001,
-            kl_estimator_type: "k3".into(),
-        }
-    }
 }
 
 /// `[generator]`: sampling of training and eval completions.
@@ -855,22 +812,35 @@ impl Config {
 
     fn check_algorithm(&self, problems: &mut Vec<String>) {
         let a = &self.trainer.algorithm;
+        let before = problems.len();
         if a.use_kl_loss && a.use_kl_in_reward {
             problems.push(
-                "trainer.algorithm.use_kl_loss and trainer.algorithm.use_kl_in_reward are both true; \
-                 the KL penalty goes either into the loss or into the reward, so set one of them to false"
+                "trainer.algorithm.use_kl_loss and trainer.algorithm.use_kl_in_reward are both \
+                 true; the KL penalty goes either into the loss or into the reward, so set one of \
+                 them to false"
                     .into(),
             );
         }
-        if a.loss_reduction == "seq_mean_token_sum_norm" && a.max_seq_len.is_none() {
+        if a.loss_reduction == LossReduction::SeqMeanTokenSumNorm && a.max_seq_len.is_none() {
             problems.push(
-                "trainer.algorithm.loss_reduction = \"seq_mean_token_sum_norm\" divides by a constant \
-                 length; set trainer.algorithm.max_seq_len (e.g. to max_prompt_length + max_generate_length)"
+                "trainer.algorithm.loss_reduction = \"seq_mean_token_sum_norm\" divides by a \
+                 constant length; set trainer.algorithm.max_seq_len (e.g. to max_prompt_length + \
+                 max_generate_length)"
                     .into(),
             );
         }
         if a.max_seq_len == Some(0) {
             problems.push("trainer.algorithm.max_seq_len is 0; it must be at least 1".into());
+        }
+        // The rl crate's own rules (clip ranges, off-policy bounds, …); it stops at the first
+        // broken one, so it runs only when the rules above, which it repeats, all hold.
+        if problems.len() == before {
+            if let Err(err) = a.validate() {
+                let message = match err {
+                    RlError::Config(message) | RlError::Input(message) => message,
+                };
+                problems.push(format!("trainer.algorithm: {message}"));
+            }
         }
     }
 
@@ -914,7 +884,7 @@ impl Config {
             }
         }
         if self.generator.n_samples_per_prompt == 1
-            && self.trainer.algorithm.advantage_estimator == "grpo"
+            && self.trainer.algorithm.advantage_estimator == AdvantageEstimator::Grpo
         {
             problems.push(
                 "generator.n_samples_per_prompt is 1, so every GRPO group has one sample and zero \

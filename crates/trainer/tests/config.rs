@@ -379,3 +379,41 @@ fn effective_config_round_trips() {
     let reloaded = Config::load(Some(&path), &[]).unwrap();
     assert_eq!(reloaded, config);
 }
+
+#[test]
+fn algorithm_section_is_the_rl_crates_config() {
+    let config = Config::load(
+        None,
+        &overrides(&[
+            "trainer.algorithm.advantage_estimator=reinforce++",
+            "trainer.algorithm.entropy_coeff=0.01",
+        ]),
+    )
+    .unwrap();
+    assert_eq!(
+        config.trainer.algorithm.advantage_estimator,
+        floe_rl::AdvantageEstimator::ReinforcePlusPlus
+    );
+    assert_eq!(config.trainer.algorithm.entropy_coeff, 0.01);
+
+    let message = Config::load(
+        None,
+        &overrides(&["trainer.algorithm.advantage_estimator=grpoo"]),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        message
+            .starts_with("bad value for 'trainer.algorithm.advantage_estimator' (in override #1)"),
+        "{message}"
+    );
+    assert!(message.contains("`grpo`"), "{message}");
+
+    // Rules the rl crate owns come back with the section named.
+    let problems = invalid_messages(&["trainer.algorithm.eps_clip_low=1.5"]);
+    assert_eq!(problems.len(), 1, "{problems:?}");
+    assert!(
+        problems[0].starts_with("trainer.algorithm: eps_clip_low must be in [0, 1]"),
+        "{problems:?}"
+    );
+}
