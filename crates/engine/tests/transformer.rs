@@ -203,3 +203,55 @@ fn shared_and_unshared_packing_give_the_same_logprobs() {
         }
     }
 }
+
+/// Every parameter gradient of `Σ coefficient(token) · logprob(token)` over the response
+/// tokens, accumulated over the micro-batches of `mode` and `budget`.
+fn gradients(
+    model: &mut Transformer<CpuBackend<f64>>,
+    groups: &[RolloutGroup],
+    mode: PackingMode,
+    budget: usize,
+) -> Vec<(String, Vec<f32>)> {
+    let coefficient = |t: TokenRef| 0.1 + f64::from(t.group * 7 + t.response * 3 + t.token) / 50.0;
+    model.zero_grad().unwrap();
+    let packing = PackingConfig {
+        max_tokens_per_microbatch: budget,
+        mode,
+    };
+    for micro in pack_rollouts(groups, packing).unwrap() {
+        let d_logprobs = micro.scatter_to_rows(coefficient);
+        model
+            .forward_backward(&micro.batch, 1.0, &mut |_| {
+                Ok((d_logprobs.clone(), vec![0.0; d_logprobs.len()]))
+            })
+            .unwrap();
+    }
+    model
+        .grads_to_host()
+        .unwrap()
+        .into_iter()
+        .map(|(name, tensor)| (name, tensor.data))
+        .collect()
+}
+
+#[test]
+fn shared_split_and_unshared_packing_give_the_same_gradients() {
+    let mut model = tiny_model();
+    let groups = rollouts();
+    let reference = gradients(&mut model, &groups, PackingMode::Unshared, 10_000);
+    assert!(reference.iter().all(|(_, g)| g.iter().any(|x| x.abs() > 1e-7)));
+    for (mode, budget) in [(PackingMode::Shared, 10_000), (PackingMode::Shared, 30)] {
+        let grads = gradients(&mut model, &groups, mode, budget);
+        for ((name, want), (_, got)) in reference.iter().zip(&grads) {
+            let scale = want.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-6);
+            let worst = want
+                .iter()
+                .zip(got)
+                .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+            assert!(
+                worst <= 1e-5 * scale,
+                "{mode:?}/{budget} {name}: max |Δ| {worst} of {scale}"
+            );
+        }
+    }
+}
