@@ -492,3 +492,56 @@ pub(crate) fn write_atomically(path: &Path, text: &str) -> Result<()> {
     std::fs::write(&tmp, text).map_err(io_err(&tmp))?;
     std::fs::rename(&tmp, path).map_err(io_err(path))
 }
+
+/// Writes named f32 tensors (any names and shapes, e.g. optimizer moments) to one
+/// safetensors file, through a temporary sibling and a rename.
+pub fn save_tensors(path: impl AsRef<Path>, tensors: &BTreeMap<String, HostTensor>) -> Result<()> {
+    let path = path.as_ref();
+    for (name, tensor) in tensors {
+        if tensor.data.len() != tensor.shape.iter().product::<usize>() {
+            return Err(WeightsError::Shape {
+                origin: path.display().to_string(),
+                tensor: name.clone(),
+                expected: vec![tensor.data.len()],
+                got: tensor.shape.clone(),
+            });
+        }
+    }
+    let views = tensors.iter().map(|(name, tensor)| {
+        (
+            name.clone(),
+            Encoded {
+                tensor,
+                dtype: SaveDType::F32,
+            },
+        )
+    });
+    safetensors::tensor::serialize_to_file(views, None, path).map_err(|e| {
+        WeightsError::Safetensors {
+            path: path.to_path_buf(),
+            msg: e.to_string(),
+        }
+    })
+}
+
+/// Reads every tensor of a safetensors file as f32 (F32, BF16 or F16 storage), by name.
+pub fn load_tensors(path: impl AsRef<Path>) -> Result<BTreeMap<String, HostTensor>> {
+    let path = path.as_ref();
+    let bytes = std::fs::read(path).map_err(io_err(path))?;
+    let st = SafeTensors::deserialize(&bytes).map_err(|e| WeightsError::Safetensors {
+        path: path.to_path_buf(),
+        msg: e.to_string(),
+    })?;
+    st.tensors()
+        .into_iter()
+        .map(|(name, view)| {
+            let data = to_f32(view.dtype(), view.data()).ok_or_else(|| WeightsError::DType {
+                path: path.to_path_buf(),
+                tensor: name.clone(),
+                dtype: format!("{:?}", view.dtype()),
+            })?;
+            let shape = view.shape().to_vec();
+            Ok((name, HostTensor { shape, data }))
+        })
+        .collect()
+}
