@@ -209,7 +209,7 @@ fn one_or_many<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Vec<Logger>
     #[derive(Deserialize)]
     #[serde(
         untagged,
-        expecting = "a logger name or a list of them (console, tensorboard)"
+        expecting = "expected `console`, `tensorboard` or a list of them"
     )]
     enum OneOrMany {
         One(Logger),
@@ -1234,10 +1234,15 @@ impl Builder {
         serde_path_to_error::deserialize(value).map_err(|err| {
             let key = err.path().to_string();
             let origin = origin_of(&self.origins, &key);
+            // `message()` leaves out the key toml appends; the error names it already.
+            let mut message = err.into_inner().message().to_string();
+            if message.ends_with("expected a sequence") {
+                message.push_str(" (write a list as [\"a\", \"b\"])");
+            }
             ConfigError::BadValue {
                 key,
                 origin,
-                message: err.into_inner().to_string(),
+                message,
             }
         })
     }
