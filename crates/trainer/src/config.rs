@@ -610,14 +610,15 @@ impl fmt::Display for Origin {
             Origin::File(path) => write!(f, "in {}", path.display()),
             Origin::Embedded => write!(f, "in {EMBEDDED_RECIPE_NAME}"),
             Origin::Override(index) => write!(f, "in override #{index}"),
-            Origin::Default => f.write_str("the built-in default"),
+            Origin::Default => f.write_str("from the built-in defaults"),
         }
     }
 }
 
 impl Config {
     /// Loads a recipe (the embedded one when `recipe` is `None`) and applies `KEY=VALUE`
-    /// overrides such as `trainer.train_batch_size=16`. Does not validate; call
+    /// overrides such as `trainer.train_batch_size=16`. A recipe file is layered over the
+    /// struct defaults, not over the embedded recipe. Does not validate; call
     /// [`Config::validate`] next.
     pub fn load(recipe: Option<&Path>, overrides: &[String]) -> Result<Config, ConfigError> {
         match recipe {
@@ -677,8 +678,9 @@ impl Config {
         }
     }
 
-    /// Writes the full effective config (every key, defaults included) to
-    /// `<run_dir>/config.toml`, creating `run_dir` if needed; returns the file's path.
+    /// Writes the full effective config (every key that has a value, defaults included; TOML
+    /// cannot spell an unset option) to `<run_dir>/config.toml`, creating `run_dir` if
+    /// needed; returns the file's path. Loading that file gives back the same config.
     pub fn save_effective(&self, run_dir: &Path) -> Result<PathBuf, ConfigError> {
         let io_error = |path: &Path| {
             let path = path.to_path_buf();

@@ -347,6 +347,11 @@ fn main_figures(table: &MetricTable, shown: &mut BTreeSet<String>) -> Vec<Figure
             "policy/grad_norm",
         ]),
     );
+    let sft: Vec<(String, String)> = table
+        .names_matching(|name| name.starts_with("sft/"))
+        .map(|name| (name.clone(), name.clone()))
+        .collect();
+    figure("SFT warm start", "", sft);
     let timing: Vec<(String, String)> = table
         .names_matching(|name| name.starts_with("timing/"))
         .map(|name| (name.clone(), name["timing/".len()..].to_string()))
