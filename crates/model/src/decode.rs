@@ -16,10 +16,25 @@ pub struct KvCache<B: Backend> {
     /// Per layer: `(keys, values)`, each `[num_blocks, block_size, kv_heads, head_dim]`
     /// (Compute).
     layers: Vec<(B::Buf, B::Buf)>,
+    /// Activations of the last call, reused while the number of new tokens stays the
+    /// same (every decoding step of a steady batch).
+    scratch: Option<DecodeScratch<B::Buf>>,
     /// Blocks in each layer's cache.
     pub num_blocks: usize,
     /// Token slots per block.
     pub block_size: usize,
+}
+
+/// Per-call buffers of [`Transformer::forward_cached`] for `T` new tokens.
+struct DecodeScratch<Buf> {
+    /// Rows these buffers hold.
+    tokens: usize,
+    /// `[T, hidden]` residual stream entering the current layer.
+    x: Buf,
+    /// `[T, hidden]` residual stream leaving it.
+    next: Buf,
+    /// One layer's internals, reused by every layer.
+    layer: LayerActs<Buf>,
 }
 
 /// The new tokens of one [`Transformer::forward_cached`] call.
@@ -137,6 +152,7 @@ impl<B: Backend> Transformer<B> {
             .collect::<Result<_>>()?;
         Ok(KvCache {
             layers,
+            scratch: None,
             num_blocks,
             block_size,
         })
@@ -169,11 +185,22 @@ impl<B: Backend> Transformer<B> {
         let block_tables = b.upload_index(&input.block_tables)?;
         let max_context = input.token_pos.iter().max().map_or(0, |&p| p as usize + 1);
 
-        // [T, hidden] residual stream, ping-ponged between two buffers.
-        let mut x = b.zeros(t * h, BufKind::Compute)?;
-        let mut next = b.zeros(t * h, BufKind::Compute)?;
-        let mut acts = LayerActs::new(b, c, t)?;
-        b.embedding_forward(&mut x, &w.embed, &ids, h)?;
+        let mut scratch = match cache.scratch.take() {
+            Some(s) if s.tokens == t => s,
+            _ => DecodeScratch {
+                tokens: t,
+                x: b.zeros(t * h, BufKind::Compute)?,
+                next: b.zeros(t * h, BufKind::Compute)?,
+                layer: LayerActs::new(b, c, t)?,
+            },
+        };
+        let DecodeScratch {
+            x,
+            next,
+            layer: acts,
+            ..
+        } = &mut scratch;
+        b.embedding_forward(x, &w.embed, &ids, h)?;
         for (wl, (k_cache, v_cache)) in w.layers.iter().zip(cache.layers.iter_mut()) {
             let attend = Attend::Paged {
                 slots: &slots,
@@ -188,15 +215,16 @@ impl<B: Backend> Transformer<B> {
                 k_cache,
                 v_cache,
             };
-            self.layer_forward(wl, &x, &mut next, &mut acts, &token_pos, attend)?;
-            std::mem::swap(&mut x, &mut next);
+            self.layer_forward(wl, x, next, acts, &token_pos, attend)?;
+            std::mem::swap(x, next);
         }
 
         // Only the requested rows go through the final norm and the lm-head.
         let r = input.logit_rows.len();
         let rows = b.upload_index(&input.logit_rows)?;
         let mut last = b.zeros(r * h, BufKind::Compute)?;
-        b.gather_rows(&mut last, &x, &rows, h)?;
+        b.gather_rows(&mut last, x, &rows, h)?;
+        cache.scratch = Some(scratch);
         let mut normed = b.zeros(r * h, BufKind::Compute)?;
         let mut rstd = b.zeros(r, BufKind::Full)?;
         b.rmsnorm_forward(

@@ -341,6 +341,7 @@ struct Activations<Buf> {
     /// Rows this set was allocated for.
     tokens: usize,
     /// `[L + 1] × [T, hidden]`: the input of each layer, then the last layer's output.
+    /// A forward without backward keeps two and alternates (layer `l` reads `l % 2`).
     residual: Vec<Buf>,
     /// Per-layer internals: `L` of them, or one reused by every layer (recompute, or a
     /// forward without backward).
@@ -370,7 +371,11 @@ impl<Buf> Activations<Buf> {
         let h = c.hidden_size;
         Ok(Self {
             tokens: t,
-            residual: (0..=c.num_hidden_layers)
+            residual: (0..if grad.is_some() {
+                c.num_hidden_layers + 1
+            } else {
+                2
+            })
                 .map(|_| b.zeros(t * h, BufKind::Compute))
                 .collect::<std::result::Result<_, _>>()?,
             layers: (0..layer_slots)
@@ -441,6 +446,8 @@ pub struct Transformer<B: Backend> {
     recompute: bool,
     /// Training activations, reused while the batch size stays the same.
     acts: Option<Activations<B::Buf>>,
+    /// Most logits one lm-head chunk may hold.
+    lm_head_chunk_logits: usize,
 }
 
 /// RoPE inverse frequencies exactly as Hugging Face computes them in f32, including the
@@ -500,10 +507,22 @@ impl SplitMix {
     }
 }
 
-/// Rows per lm-head chunk: about 2M logits at a time.
-fn lm_head_chunk_rows(tokens: usize, vocab: usize) -> usize {
-    ((1usize << 21) / vocab.max(1)).clamp(1, tokens.max(1))
+/// `(&v[input], &mut v[output])` for two distinct indices.
+fn input_output<T>(v: &mut [T], input: usize, output: usize) -> (&T, &mut T) {
+    if input < output {
+        let (head, tail) = v.split_at_mut(output);
+        (&head[input], &mut tail[0])
+    } else {
+        let (head, tail) = v.split_at_mut(input);
+        (&tail[0], &mut head[output])
+    }
 }
+
+/// Logits per lm-head chunk on a host backend: 2M (8 MB in f32), cache-friendly.
+const HOST_LM_HEAD_CHUNK_LOGITS: usize = 1 << 21;
+/// Logits per lm-head chunk on a device that reports its memory (a GPU): 64M, enough rows
+/// per chunk to keep the products efficient.
+const DEVICE_LM_HEAD_CHUNK_LOGITS: usize = 1 << 26;
 
 fn check_config(c: &ModelConfig) -> Result<()> {
     let bad = |msg: String| Err(ModelError::Config(msg));
@@ -542,6 +561,11 @@ impl<B: Backend> Transformer<B> {
             })?)
         };
         let inv_freq = backend.upload(&rope_inv_freq(&config), BufKind::Full)?;
+        let lm_head_chunk_logits = if backend.memory_info().is_some() {
+            DEVICE_LM_HEAD_CHUNK_LOGITS
+        } else {
+            HOST_LM_HEAD_CHUNK_LOGITS
+        };
         Ok(Self {
             backend,
             config,
@@ -551,6 +575,7 @@ impl<B: Backend> Transformer<B> {
             inv_freq,
             recompute: false,
             acts: None,
+            lm_head_chunk_logits,
         })
     }
 
@@ -955,23 +980,17 @@ impl<B: Backend> Transformer<B> {
         let covered: usize = batch.segments.iter().map(|s| s.len as usize).sum();
         b.embedding_forward(&mut acts.residual[0], &w.embed, ids, h)?;
         let per_layer = acts.layers.len() > 1;
+        let kept = acts.residual.len();
         for (l, wl) in w.layers.iter().enumerate() {
-            let (done, rest) = acts.residual.split_at_mut(l + 1);
+            let (x, out) = input_output(&mut acts.residual, l % kept, (l + 1) % kept);
             let slot = if per_layer { l } else { 0 };
             let attend = Attend::Packed {
                 segments: &batch.segments,
                 uncovered_rows: covered < t,
             };
-            self.layer_forward(
-                wl,
-                &done[l],
-                &mut rest[0],
-                &mut acts.layers[slot],
-                positions,
-                attend,
-            )?;
+            self.layer_forward(wl, x, out, &mut acts.layers[slot], positions, attend)?;
         }
-        let last = &acts.residual[c.num_hidden_layers];
+        let last = &acts.residual[c.num_hidden_layers % kept];
         b.rmsnorm_forward(
             &mut acts.final_out,
             &mut acts.final_rstd,
@@ -994,13 +1013,21 @@ impl<B: Backend> Transformer<B> {
     }
 
     fn lm_head_spec(&self, tokens: usize, logit_scale: f32) -> LmHead {
+        let vocab = self.config.vocab_size;
         LmHead {
             tokens,
             dim: self.config.hidden_size,
-            vocab: self.config.vocab_size,
+            vocab,
             logit_scale,
-            chunk_rows: lm_head_chunk_rows(tokens, self.config.vocab_size),
+            chunk_rows: (self.lm_head_chunk_logits / vocab).clamp(1, tokens.max(1)),
         }
+    }
+
+    /// Caps the logits the fused lm-head materialises at once (`chunk_rows × vocab`); the
+    /// default is 2M on a host backend and 64M on a device. Changes memory and speed, not
+    /// results.
+    pub fn set_lm_head_chunk_logits(&mut self, logits: usize) {
+        self.lm_head_chunk_logits = logits.max(1);
     }
 
     fn stats(&self, acts: &Activations<B::Buf>) -> Result<TokenStats> {

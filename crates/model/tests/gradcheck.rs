@@ -399,3 +399,24 @@ fn bad_batches_and_loss_gradients_are_errors() {
         "{err}"
     );
 }
+
+#[test]
+fn scoring_forward_matches_training_forward_for_any_lm_head_chunking() {
+    let config = tiny(Architecture::Qwen3);
+    let mut rng = Rng(51);
+    let batch = mixed_batch(&mut rng, 32);
+    let mut m = model(&config, 6);
+    let scored = m.forward(&batch, 0.9).unwrap();
+    let zeros = vec![0.0; batch.len()];
+    let trained = backward(&mut m, &batch, 0.9, &zeros, &zeros);
+    assert_eq!(
+        scored, trained,
+        "forward-only and training forwards run the same ops"
+    );
+    m.set_lm_head_chunk_logits(1);
+    let one_row = m.forward(&batch, 0.9).unwrap();
+    for t in 0..batch.len() {
+        assert!((one_row.logprobs[t] - scored.logprobs[t]).abs() < 1e-12);
+        assert!((one_row.entropy[t] - scored.entropy[t]).abs() < 1e-12);
+    }
+}
