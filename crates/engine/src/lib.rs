@@ -60,11 +60,14 @@
 
 #![deny(missing_docs)]
 
+mod error;
 pub mod kv_blocks;
 pub mod packing;
+pub mod policy;
 pub mod sampler;
 pub mod stop;
 
+pub use error::{Error, Result};
 pub use kv_blocks::{BlockManager, BlockTable, OutOfBlocks};
 pub use packing::{
     pack_rollouts, MicroBatch, PackingConfig, PackingError, PackingMode, Response, ResponseRows,

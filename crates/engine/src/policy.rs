@@ -14,7 +14,8 @@ use std::sync::Arc;
 use floe_backend::{AdamW, Backend, BufKind};
 use floe_model::batch::{PackedBatch, TokenStats};
 use floe_model::transformer::Transformer;
-use floe_model::weights::{self, HostTensor, SaveDType};
+use floe_model::weights::{self, tensor_specs, HostTensor, SaveDType};
+use floe_rl::optim::{clip_coef, should_skip_step};
 use serde::{Deserialize, Serialize};
 
 use crate::{Error, Result};
@@ -61,8 +62,13 @@ pub struct Policy<B: Backend> {
     step: u64,
 }
 
+/// Sub-folder of a saved state holding the weights as a Hugging Face folder.
+pub const MODEL_DIR: &str = "model";
 const OPTIMIZER_FILE: &str = "optimizer.safetensors";
 const OPTIMIZER_META: &str = "optimizer.json";
+/// Suffixes of the moment tensors, as PyTorch's AdamW names its state.
+const EXP_AVG: &str = "exp_avg";
+const EXP_AVG_SQ: &str = "exp_avg_sq";
 
 #[derive(Serialize, Deserialize)]
 struct OptimizerMeta {
@@ -89,20 +95,41 @@ impl<B: Backend> Policy<B> {
         self.step
     }
 
+    /// Per-layer activation checkpointing of the backward (see
+    /// [`Transformer::set_recompute`]); changes memory, not results.
+    pub fn set_recompute(&mut self, recompute: bool) {
+        self.model.set_recompute(recompute);
+    }
+
     /// Forward and backward of one micro-batch; gradients add to those already held.
+    /// `loss_grad` turns the micro-batch's per-row stats into `(dL/dlogprob, dL/dentropy)`.
     pub fn forward_backward(
         &mut self,
         batch: &PackedBatch,
         logit_scale: f32,
-        loss_grad: &mut dyn FnMut(&TokenStats) -> floe_model::Result<(Vec<f64>, Vec<f64>)>,
+        loss_grad: &mut dyn FnMut(
+            &TokenStats,
+        ) -> floe_model::transformer::Result<(Vec<f64>, Vec<f64>)>,
     ) -> Result<TokenStats> {
         Ok(self.model.forward_backward(batch, logit_scale, loss_grad)?)
     }
 
-    /// Clips, applies AdamW to every parameter and clears the gradients.
+    /// Global L2 norm of the gradients accumulated so far.
+    pub fn grad_norm(&self) -> Result<f64> {
+        Ok(self.model.grad_norm()?)
+    }
+
+    /// Clears the accumulated gradients without stepping.
+    pub fn zero_grad(&mut self) -> Result<()> {
+        Ok(self.model.zero_grad()?)
+    }
+
+    /// Clips the global gradient norm, applies AdamW to every parameter and clears the
+    /// gradients. A step whose norm is not finite changes no weight and no moment, is not
+    /// counted, and still clears the gradients.
     pub fn optim_step(&mut self, params: &OptimParams) -> Result<StepOutcome> {
         let grad_norm = self.model.grad_norm()?;
-        if !grad_norm.is_finite() {
+        if should_skip_step(grad_norm) {
             self.model.zero_grad()?;
             return Ok(StepOutcome {
                 grad_norm,
@@ -110,8 +137,8 @@ impl<B: Backend> Policy<B> {
                 step: self.step,
             });
         }
-        let clip = if params.max_grad_norm > 0.0 && grad_norm > params.max_grad_norm as f64 {
-            params.max_grad_norm as f64 / (grad_norm + 1e-6)
+        let grad_scale = if params.max_grad_norm > 0.0 {
+            clip_coef(grad_norm, f64::from(params.max_grad_norm))
         } else {
             1.0
         };
@@ -123,7 +150,7 @@ impl<B: Backend> Policy<B> {
             eps: params.eps,
             weight_decay: params.weight_decay,
             step: self.step,
-            grad_scale: clip as f32,
+            grad_scale: grad_scale as f32,
         };
         let backend = Arc::clone(self.model.backend());
         let moments = &mut self.moments;
@@ -155,12 +182,19 @@ impl<B: Backend> Policy<B> {
         })
     }
 
-    /// Writes the weights as an HF folder under `dir/model` and the optimizer state
-    /// beside it. Each file is written under a temporary name and renamed.
+    /// Writes the state into `dir` (created if needed): the weights as an f32 Hugging
+    /// Face folder under `dir/model` (exact, so a resumed run continues bit for bit), the
+    /// AdamW moments in `optimizer.safetensors` (`<param>.exp_avg`, `<param>.exp_avg_sq`)
+    /// and the step count in `optimizer.json`. Each file is written under a temporary
+    /// name and renamed; `optimizer.json` goes last, so its presence marks a complete save.
     pub fn save(&self, dir: &Path) -> Result<()> {
+        std::fs::create_dir_all(dir).map_err(|source| Error::Io {
+            path: dir.to_path_buf(),
+            source,
+        })?;
         let host = self.model.to_host_weights()?;
         weights::save_model_dir(
-            dir.join("model"),
+            dir.join(MODEL_DIR),
             self.model.config(),
             &host,
             SaveDType::F32,
@@ -168,23 +202,21 @@ impl<B: Backend> Policy<B> {
         let backend = self.model.backend();
         let mut tensors = BTreeMap::new();
         for (name, state) in &self.moments {
-            for (suffix, buf) in [("exp_avg", &state.m), ("exp_avg_sq", &state.v)] {
+            for (suffix, buf) in [(EXP_AVG, &state.m), (EXP_AVG_SQ, &state.v)] {
                 let data = backend.download(buf)?;
                 let shape = vec![data.len()];
                 tensors.insert(format!("{name}.{suffix}"), HostTensor { shape, data });
             }
         }
-        weights::save_tensors(&dir.join(OPTIMIZER_FILE), &tensors)?;
-        let meta = serde_json::to_string(&OptimizerMeta { step: self.step })
+        weights::save_tensors(dir.join(OPTIMIZER_FILE), &tensors)?;
+        let meta = serde_json::to_string_pretty(&OptimizerMeta { step: self.step })
             .expect("optimizer meta serializes");
-        write_atomically(&dir.join(OPTIMIZER_META), meta.as_bytes())?;
-        Ok(())
+        write_atomically(&dir.join(OPTIMIZER_META), meta.as_bytes())
     }
 
-    /// Restores a policy written by [`Policy::save`].
+    /// Restores a policy written by [`Policy::save`] onto `backend`. Errors name the file
+    /// that is missing or does not match the model.
     pub fn load(backend: Arc<B>, dir: &Path) -> Result<Self> {
-        let (config, host) = weights::load_model_dir(dir.join("model"))?;
-        let model = Transformer::from_host_weights(Arc::clone(&backend), config, &host)?;
         let meta_path = dir.join(OPTIMIZER_META);
         let meta_text = std::fs::read_to_string(&meta_path).map_err(|source| Error::Io {
             path: meta_path.clone(),
@@ -195,24 +227,54 @@ impl<B: Backend> Policy<B> {
                 path: meta_path,
                 msg: err.to_string(),
             })?;
-        let tensors = weights::load_tensors(&dir.join(OPTIMIZER_FILE))?;
+        let (config, host) = weights::load_model_dir(dir.join(MODEL_DIR))?;
+        let model = Transformer::from_host_weights(Arc::clone(&backend), config, &host)?;
+
+        let optimizer_path = dir.join(OPTIMIZER_FILE);
+        let corrupt = |msg: String| Error::Corrupt {
+            path: optimizer_path.clone(),
+            msg,
+        };
+        let mut tensors = weights::load_tensors(&optimizer_path)?;
         let mut moments = BTreeMap::new();
-        for (key, tensor) in &tensors {
-            let Some(name) = key.strip_suffix(".exp_avg") else {
-                continue;
+        for (name, shape) in tensor_specs(model.config()) {
+            let len: usize = shape.iter().product();
+            let mut take = |suffix: &str| -> Result<Option<HostTensor>> {
+                let key = format!("{name}.{suffix}");
+                match tensors.remove(&key) {
+                    Some(t) if t.data.len() != len => Err(corrupt(format!(
+                        "tensor `{key}` has {} values; the parameter has {len}",
+                        t.data.len()
+                    ))),
+                    other => Ok(other),
+                }
             };
-            let v_key = format!("{name}.exp_avg_sq");
-            let v = tensors.get(&v_key).ok_or_else(|| Error::Corrupt {
-                path: dir.join(OPTIMIZER_FILE),
-                msg: format!("tensor `{v_key}` is missing"),
-            })?;
-            moments.insert(
-                name.to_string(),
-                Moments {
-                    m: backend.upload(&tensor.data, BufKind::Full)?,
-                    v: backend.upload(&v.data, BufKind::Full)?,
-                },
-            );
+            match (take(EXP_AVG)?, take(EXP_AVG_SQ)?) {
+                (Some(m), Some(v)) => {
+                    let state = Moments {
+                        m: backend.upload(&m.data, BufKind::Full)?,
+                        v: backend.upload(&v.data, BufKind::Full)?,
+                    };
+                    moments.insert(name, state);
+                }
+                (None, None) => {}
+                _ => {
+                    return Err(corrupt(format!(
+                        "`{name}` has only one of its two AdamW moments"
+                    )))
+                }
+            }
+        }
+        if let Some(extra) = tensors.keys().next() {
+            return Err(corrupt(format!(
+                "tensor `{extra}` belongs to no parameter of the model"
+            )));
+        }
+        if meta.step > 0 && moments.is_empty() {
+            return Err(corrupt(format!(
+                "no AdamW moments after {} steps",
+                meta.step
+            )));
         }
         Ok(Policy {
             model,
@@ -222,14 +284,120 @@ impl<B: Backend> Policy<B> {
     }
 }
 
-/// Writes `bytes` to `path` through a temporary file and a rename, so a crash never
-/// leaves a half-written file under the final name.
+/// Writes `bytes` to `path` through a temporary sibling (`<name>.tmp`) and a rename, so
+/// a crash never leaves a half-written file under the final name.
 pub fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
-    let tmp = path.with_extension("tmp");
-    let io = |source| Error::Io {
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".tmp");
+    let tmp = std::path::PathBuf::from(tmp);
+    std::fs::write(&tmp, bytes).map_err(|source| Error::Io {
+        path: tmp.clone(),
+        source,
+    })?;
+    std::fs::rename(&tmp, path).map_err(|source| Error::Io {
         path: path.to_path_buf(),
         source,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use floe_backend::cpu::CpuBackend;
+    use floe_model::{Architecture, ModelConfig};
+
+    fn tiny_config() -> ModelConfig {
+        ModelConfig {
+            architecture: Architecture::Qwen3,
+            vocab_size: 32,
+            hidden_size: 16,
+            intermediate_size: 24,
+            num_hidden_layers: 2,
+            num_attention_heads: 4,
+            num_key_value_heads: 2,
+            head_dim: 8,
+            rms_norm_eps: 1e-6,
+            rope_theta: 10000.0,
+            rope_scaling: None,
+            max_position_embeddings: 64,
+            tie_word_embeddings: false,
+            attention_bias: false,
+            qk_norm: true,
+            bos_token_id: None,
+            eos_token_ids: vec![1],
+        }
+    }
+
+    const PARAMS: OptimParams = OptimParams {
+        lr: 1e-2,
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+        weight_decay: 0.01,
+        max_grad_norm: 1.0,
     };
-    std::fs::write(&tmp, bytes).map_err(io)?;
-    std::fs::rename(&tmp, path).map_err(io)
+
+    /// One step of mean-NLL training on a fixed batch.
+    fn train_step(policy: &mut Policy<CpuBackend>, batch: &PackedBatch) -> StepOutcome {
+        let rows = batch.len();
+        policy
+            .forward_backward(batch, 1.0, &mut |_| {
+                Ok((vec![-1.0 / rows as f64; rows], vec![0.0; rows]))
+            })
+            .unwrap();
+        policy.optim_step(&PARAMS).unwrap()
+    }
+
+    fn temp_dir(name: &str) -> std::path::PathBuf {
+        let dir = std::env::temp_dir().join(format!("floe-policy-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        dir
+    }
+
+    #[test]
+    fn save_then_load_continues_bit_identically() {
+        let backend = Arc::new(CpuBackend::<f32>::new());
+        let model = Transformer::new_random(Arc::clone(&backend), tiny_config(), 7).unwrap();
+        let mut straight = Policy::new(model);
+        let batch = PackedBatch::from_sequences(&[vec![3, 5, 7, 9, 11], vec![2, 4, 6]]).unwrap();
+        for _ in 0..2 {
+            train_step(&mut straight, &batch);
+        }
+        let dir = temp_dir("resume");
+        straight.save(&dir).unwrap();
+        let mut resumed = Policy::load(Arc::clone(&backend), &dir).unwrap();
+        assert_eq!(resumed.step(), 2);
+        let a = train_step(&mut straight, &batch);
+        let b = train_step(&mut resumed, &batch);
+        assert_eq!(a, b);
+        assert_eq!(
+            straight.model().to_host_weights().unwrap(),
+            resumed.model().to_host_weights().unwrap()
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn non_finite_gradient_skips_the_step_and_clears_gradients() {
+        let backend = Arc::new(CpuBackend::<f32>::new());
+        let model = Transformer::new_random(backend, tiny_config(), 7).unwrap();
+        let mut policy = Policy::new(model);
+        let before = policy.model().to_host_weights().unwrap();
+        let batch = PackedBatch::from_sequences(&[vec![3, 5, 7]]).unwrap();
+        policy
+            .forward_backward(&batch, 1.0, &mut |_| Ok((vec![f64::NAN; 2], vec![0.0; 2])))
+            .unwrap();
+        let outcome = policy.optim_step(&PARAMS).unwrap();
+        assert!(outcome.skipped && outcome.step == 0);
+        assert_eq!(policy.model().to_host_weights().unwrap(), before);
+        assert_eq!(policy.grad_norm().unwrap(), 0.0);
+    }
+
+    #[test]
+    fn load_names_a_missing_state_file() {
+        let backend = Arc::new(CpuBackend::<f32>::new());
+        let dir = temp_dir("missing");
+        let err = Policy::<CpuBackend>::load(backend, &dir).err().unwrap();
+        assert!(err.to_string().contains(OPTIMIZER_META), "{err}");
+    }
 }
