@@ -512,3 +512,40 @@ fn save_rejects_missing_or_misshapen_tensors() {
     );
     assert!(!dir.path().join("config.json").exists());
 }
+
+#[test]
+fn named_tensor_files_round_trip() {
+    use floe_model::weights::{load_tensors, save_tensors};
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("moments.safetensors");
+    let tensors: BTreeMap<String, HostTensor> = [
+        (
+            "m.a".to_string(),
+            HostTensor::new(vec![2, 3], (0..6).map(|i| i as f32 * 0.1).collect()).unwrap(),
+        ),
+        (
+            "v.b".to_string(),
+            HostTensor::new(vec![1], vec![f32::MIN_POSITIVE]).unwrap(),
+        ),
+    ]
+    .into_iter()
+    .collect();
+    save_tensors(&path, &tensors).unwrap();
+    assert_eq!(load_tensors(&path).unwrap(), tensors);
+
+    let bad: BTreeMap<String, HostTensor> = [(
+        "m.c".to_string(),
+        HostTensor {
+            shape: vec![4],
+            data: vec![0.0; 3],
+        },
+    )]
+    .into_iter()
+    .collect();
+    let msg = save_tensors(&path, &bad).unwrap_err().to_string();
+    assert!(msg.contains("m.c"), "{msg}");
+    let msg = load_tensors(dir.path().join("absent.safetensors"))
+        .unwrap_err()
+        .to_string();
+    assert!(msg.contains("absent.safetensors"), "{msg}");
+}
