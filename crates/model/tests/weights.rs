@@ -549,3 +549,23 @@ fn named_tensor_files_round_trip() {
         .to_string();
     assert!(msg.contains("absent.safetensors"), "{msg}");
 }
+
+#[test]
+fn parses_a_published_qwen3_4b_config() {
+    // The keys and values of Qwen3-4B's config.json as transformers 4.51 wrote it.
+    let v = json!({
+        "architectures": ["Qwen3ForCausalLM"], "attention_bias": false,
+        "attention_dropout": 0.0, "bos_token_id": 151643, "eos_token_id": 151645,
+        "head_dim": 128, "hidden_act": "silu", "hidden_size": 2560,
+        "initializer_range": 0.02, "intermediate_size": 9728,
+        "max_position_embeddings": 40960, "max_window_layers": 36, "model_type": "qwen3",
+        "num_attention_heads": 32, "num_hidden_layers": 36, "num_key_value_heads": 8,
+        "rms_norm_eps": 1e-06, "rope_scaling": null, "rope_theta": 1000000,
+        "sliding_window": null, "tie_word_embeddings": true, "torch_dtype": "bfloat16",
+        "transformers_version": "4.51.0", "use_cache": true, "use_sliding_window": false,
+        "vocab_size": 151936
+    });
+    let c = ModelConfig::from_hf_json(&v).unwrap();
+    assert_eq!(c, ModelConfig::preset("4B").unwrap());
+    assert_eq!(c.num_parameters(), 4_022_468_096);
+}
