@@ -2,16 +2,18 @@
 //! backward side by side.
 //!
 //! # Buffers
-//! - **Parameters** ([`Params`]): one struct per layer ([`Layer`]) with a shape comment on
+//! - **Parameters** (`Params`): one struct per layer (`Layer`) with a shape comment on
 //!   each field, in Full storage (the master weights the optimizer updates). When the
 //!   backend's Compute storage differs (`!compute_is_full()`, e.g. bf16 on CUDA) a second
 //!   `Params` holds Compute copies that every forward reads; the optimizer refreshes them.
 //! - **Gradients**: a `Params` of Full buffers, allocated on the first backward;
 //!   every backward accumulates into them, so micro-batches sum until [`Transformer::zero_grad`].
-//! - **Activations** ([`Activations`]): per call, `[T, …]` token-major. The residual
-//!   stream entering each layer is always kept; each layer's internals ([`LayerActs`]) are
-//!   kept for every layer, or (with [`Transformer::set_recompute`]) for one layer at a
-//!   time and recomputed from the layer's input during the backward.
+//! - **Activations** (`Activations`): per call, `[T, …]` token-major. Training keeps the
+//!   residual stream entering each layer, and each layer's internals (`LayerActs`) for
+//!   every layer, or (with [`Transformer::set_recompute`]) for one layer at a time,
+//!   recomputed from the layer's input during the backward. They are reused while the
+//!   batch keeps its size. A scoring [`Transformer::forward`] keeps one layer's internals
+//!   and two residual buffers.
 //!
 //! # Forward, per layer (`x` is the residual stream `[T, hidden]`)
 //! `ln1 = rmsnorm(x)` → `q, k, v = ln1·Wᵀ (+ bias)` → (`qk_norm`) per-head RMSNorm of q
