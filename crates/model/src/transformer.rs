@@ -1085,9 +1085,23 @@ impl<B: Backend> Transformer<B> {
                 )?
             }
         };
+        let result = self.train_pass(&mut acts, batch, logit_scale, loss_grad);
+        self.acts = Some(acts);
+        result
+    }
+
+    /// [`Self::forward_backward`] on activations already sized for `batch`.
+    fn train_pass(
+        &mut self,
+        acts: &mut Activations<B::Buf>,
+        batch: &PackedBatch,
+        logit_scale: f32,
+        loss_grad: &mut LossGradFn<'_>,
+    ) -> Result<TokenStats> {
+        let t = batch.len();
         let [ids, targets, positions] = self.upload_batch(batch)?;
-        self.run_forward(&mut acts, batch, &ids, &targets, &positions, logit_scale)?;
-        let stats = self.stats(&acts)?;
+        self.run_forward(acts, batch, &ids, &targets, &positions, logit_scale)?;
+        let stats = self.stats(acts)?;
         let (d_logprobs, d_entropy) = loss_grad(&stats)?;
         for (what, len) in [
             ("dL/dlogprob", d_logprobs.len()),
@@ -1104,7 +1118,7 @@ impl<B: Backend> Transformer<B> {
             None => self.zero_params()?,
         };
         let result = self.run_backward(
-            &mut acts,
+            acts,
             &mut grads,
             batch,
             [&ids, &targets, &positions],
@@ -1113,7 +1127,6 @@ impl<B: Backend> Transformer<B> {
             &d_entropy,
         );
         self.grads = Some(grads);
-        self.acts = Some(acts);
         result?;
         Ok(stats)
     }
@@ -1181,7 +1194,8 @@ impl<B: Backend> Transformer<B> {
         let covered: usize = batch.segments.iter().map(|s| s.len as usize).sum();
         for l in (0..c.num_hidden_layers).rev() {
             let slot = if layers.len() > 1 { l } else { 0 };
-            if self.recompute {
+            // The shared slot still holds the last layer's internals from the forward.
+            if self.recompute && l + 1 < c.num_hidden_layers {
                 let out = s
                     .recompute_out
                     .as_mut()
