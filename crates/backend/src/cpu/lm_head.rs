@@ -64,18 +64,20 @@ pub(crate) fn forward<T: CpuFloat>(
             .zip(targets[range].par_iter())
             .for_each(|((((z, lp), ent), lse), &target)| {
                 let max = z.iter().fold(T::NEG_INFINITY, |m, &x| m.max(x));
-                let mut sum = T::ZERO;
-                let mut weighted = T::ZERO;
+                // Sums over the vocabulary accumulate in f64 whatever T is: with 10⁵
+                // terms, f32 accumulation would cost digits the sampler (which works in
+                // f64) keeps.
+                let (mut sum, mut weighted) = (0.0_f64, 0.0_f64);
                 for &x in z {
-                    let e = (x - max).exp();
+                    let e = (x - max).exp().to_f64();
                     sum += e;
-                    weighted += e * x;
+                    weighted += e * (x - max).to_f64();
                 }
-                let row_lse = max + sum.ln();
+                let row_lse = max + T::from_f64(sum.ln());
                 *lse = row_lse;
                 *lp = z[target as usize] - row_lse;
-                // H = −Σ p (z − lse) = lse − Σ p z.
-                *ent = row_lse - weighted / sum;
+                // H = −Σ p (z − lse) = lse − Σ p z = (lse − max) − Σ p (z − max).
+                *ent = T::from_f64(sum.ln() - weighted / sum);
             });
     }
 }
@@ -107,10 +109,11 @@ pub(crate) fn backward<T: CpuFloat>(
         g.par_chunks_mut(vocab).enumerate().for_each(|(r, g)| {
             let t = start + r;
             let (g_lp, g_h, row_lse) = (dlogprobs[t], dentropy[t], lse[t]);
-            let mut mean_z = T::ZERO;
+            let mut mean_z = 0.0_f64;
             for &z in g.iter() {
-                mean_z += (z - row_lse).exp() * z;
+                mean_z += ((z - row_lse).exp() * z).to_f64();
             }
+            let mean_z = T::from_f64(mean_z);
             for z in g.iter_mut() {
                 let p = (*z - row_lse).exp();
                 *z = scale * (-g_lp * p - g_h * p * (*z - mean_z));
