@@ -489,7 +489,7 @@ fn attention_forward_backward() {
     let c = CpuBackend::<f32>::new();
     let mut rng = Rng::new(9);
     let (segs, tokens) = packed_segments();
-    for (hq, hk, d) in [(4, 2, 128), (4, 4, 64), (6, 1, 128)] {
+    for (hq, hk, d) in [(4, 2, 128), (4, 4, 64), (6, 1, 128), (2, 1, 32)] {
         let shape = AttnShape {
             tokens,
             q_heads: hq,

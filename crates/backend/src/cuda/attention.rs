@@ -12,11 +12,20 @@ pub(crate) const DKDV_QUERY_TILE: u32 = 32;
 /// Threads of every attention block (4 warps).
 pub(crate) const THREADS: u32 = 128;
 
-/// Dynamic shared memory of the dK/dV kernel: K and V tiles, Q and dO tiles (rows padded
-/// by 8 bf16), then the tile's log-sum-exps and deltas.
+/// Bytes of one padded shared-memory row (`D + 8` bf16).
+fn row_bytes(head_dim: usize) -> u32 {
+    (head_dim as u32 + 8) * 2
+}
+
+/// Dynamic shared memory of the forward and dQ kernels: two stages of K and V tiles.
+pub(crate) fn forward_shared_bytes(head_dim: usize) -> u32 {
+    4 * KEY_TILE * row_bytes(head_dim)
+}
+
+/// Dynamic shared memory of the dK/dV kernel: the K and V tiles, two stages of Q and dO
+/// tiles, then two stages of the query tile's log-sum-exps and deltas.
 pub(crate) fn dkdv_shared_bytes(head_dim: usize) -> u32 {
-    let row_bytes = (head_dim as u32 + 8) * 2;
-    (2 * KEY_TILE + 2 * DKDV_QUERY_TILE) * row_bytes + 2 * DKDV_QUERY_TILE * 4
+    (2 * KEY_TILE + 4 * DKDV_QUERY_TILE) * row_bytes(head_dim) + 4 * DKDV_QUERY_TILE * 4
 }
 
 /// The work lists of one attention call, flattened to `u32` for upload.
@@ -54,7 +63,8 @@ pub(crate) fn work_lists(
     with_keys: bool,
 ) -> Result<WorkLists> {
     let mut segs = Vec::with_capacity(segments.len() * 4);
-    let mut query_tiles = Vec::new();
+    // (keys read, [segment, lo, hi]) per query tile.
+    let mut q_work: Vec<(u32, [u32; 3])> = Vec::new();
     for (i, s) in segments.iter().enumerate() {
         let end = s.start as usize + s.len as usize;
         let prefix_end = s.prefix_start as usize + s.prefix_len as usize;
@@ -78,11 +88,17 @@ pub(crate) fn work_lists(
         let mut lo = s.start;
         while lo < s.start + s.len {
             let hi = (lo + QUERY_TILE).min(s.start + s.len);
-            query_tiles.extend([i as u32, lo, hi]);
+            q_work.push((s.prefix_len + (hi - s.start), [i as u32, lo, hi]));
             lo = hi;
         }
     }
+    // Heaviest tiles first, so the causal tail (the long tiles at the ends of segments) does
+    // not run alone at the end of the grid.
+    q_work.sort_by_key(|&(cost, _)| std::cmp::Reverse(cost));
+    let query_tiles = q_work.iter().flat_map(|(_, t)| *t).collect();
     let (mut key_tiles, mut tile_ranges, mut ranges) = (Vec::new(), vec![0u32], Vec::new());
+    // (queries that read it, [lo, hi], its query ranges) per key tile.
+    let mut k_work: Vec<(u32, [u32; 2], Vec<[u32; 3]>)> = Vec::new();
     if with_keys {
         // Keys that anything reads: the segments and their prefixes, merged.
         let mut spans: Vec<(u32, u32)> = Vec::new();
@@ -105,7 +121,7 @@ pub(crate) fn work_lists(
             let mut lo = a;
             while lo < b {
                 let hi = (lo + KEY_TILE).min(b);
-                key_tiles.extend([lo, hi]);
+                let mut readers = Vec::new();
                 for (i, s) in segments.iter().enumerate() {
                     let s_end = s.start + s.len;
                     let in_prefix = s.prefix_len > 0
@@ -113,16 +129,23 @@ pub(crate) fn work_lists(
                         && lo < s.prefix_start + s.prefix_len;
                     if in_prefix {
                         // A prefix is read by every query of the segment.
-                        ranges.extend([i as u32, s.start, s_end]);
+                        readers.push([i as u32, s.start, s_end]);
                     } else if s.start < hi && lo < s_end {
                         // Own keys are read causally: queries at or after the tile's first key.
-                        ranges.extend([i as u32, lo.max(s.start), s_end]);
+                        readers.push([i as u32, lo.max(s.start), s_end]);
                     }
                 }
-                tile_ranges.push((ranges.len() / 3) as u32);
+                let cost = readers.iter().map(|r| r[2] - r[1]).sum();
+                k_work.push((cost, [lo, hi], readers));
                 lo = hi;
             }
         }
+    }
+    k_work.sort_by_key(|(cost, _, _)| std::cmp::Reverse(*cost));
+    for (_, tile, readers) in k_work {
+        key_tiles.extend(tile);
+        ranges.extend(readers.into_iter().flatten());
+        tile_ranges.push((ranges.len() / 3) as u32);
     }
     Ok(WorkLists {
         segs,

@@ -3,7 +3,7 @@
 
 use cudarc::driver::LaunchConfig;
 
-use super::attention::{dkdv_shared_bytes, work_lists, THREADS};
+use super::attention::{dkdv_shared_bytes, forward_shared_bytes, work_lists, THREADS};
 use super::device::{dtype_code, int, Arg, CudaBackend, CudaBuf, Module, Storage};
 use crate::{
     sampling, AdamW, AttnShape, Backend, BufKind, Error, LmHead, Matmul, PagedLayout, Result,
@@ -61,16 +61,35 @@ fn check_attn_shape(op: &'static str, shape: &AttnShape) -> Result<()> {
             ),
         });
     }
-    if shape.head_dim != 64 && shape.head_dim != 128 {
+    if !matches!(shape.head_dim, 32 | 64 | 128) {
         return Err(Error::Shape {
             op,
             msg: format!(
-                "head_dim {} unsupported on CUDA (64 or 128)",
+                "head_dim {} unsupported on CUDA (32, 64 or 128)",
                 shape.head_dim
             ),
         });
     }
     Ok(())
+}
+
+/// The instantiation of attention kernel `name` for `head_dim` (checked by
+/// `check_attn_shape`).
+fn attention_kernel(name: &'static str, head_dim: usize) -> &'static str {
+    match (name, head_dim) {
+        ("attention_forward", 32) => "attention_forward_d32",
+        ("attention_forward", 64) => "attention_forward_d64",
+        ("attention_forward", _) => "attention_forward_d128",
+        ("attention_backward_dq", 32) => "attention_backward_dq_d32",
+        ("attention_backward_dq", 64) => "attention_backward_dq_d64",
+        ("attention_backward_dq", _) => "attention_backward_dq_d128",
+        ("attention_backward_dkdv", 32) => "attention_backward_dkdv_d32",
+        ("attention_backward_dkdv", 64) => "attention_backward_dkdv_d64",
+        ("attention_backward_dkdv", _) => "attention_backward_dkdv_d128",
+        (_, 32) => "paged_attention_d32",
+        (_, 64) => "paged_attention_d64",
+        _ => "paged_attention_d128",
+    }
 }
 
 /// The attention kernels take bf16 q/k/v/out/grads and f32 lse.
@@ -186,6 +205,10 @@ impl Backend for CudaBackend {
     }
 
     // ---- buffers ---------------------------------------------------------------------
+
+    fn element_bytes(&self, kind: BufKind) -> usize {
+        super::device::elem_bytes(kind)
+    }
 
     fn len(&self, buf: &CudaBuf) -> usize {
         buf.len
@@ -729,15 +752,15 @@ impl Backend for CudaBackend {
         }
         let segs = self.upload_index_to(&lists.segs)?;
         let items = self.upload_index_to(&lists.query_tiles)?;
-        let kernel = if head_dim == 64 {
-            "attention_forward_d64"
-        } else {
-            "attention_forward_d128"
-        };
+        let kernel = attention_kernel("attention_forward", head_dim);
         self.launch(
             Module::Attention,
             kernel,
-            cfg((lists.n_query_tiles() as u32, q_heads as u32, 1), THREADS),
+            LaunchConfig {
+                grid_dim: (lists.n_query_tiles() as u32, q_heads as u32, 1),
+                block_dim: (THREADS, 1, 1),
+                shared_mem_bytes: forward_shared_bytes(head_dim),
+            },
             &[
                 self.p(out),
                 self.p(lse),
@@ -812,17 +835,12 @@ impl Backend for CudaBackend {
                 int(OP, "head_dim", head_dim)?,
             ],
         )?;
-        let d = if head_dim == 64 { 64 } else { 128 };
         let heads = [
             int(OP, "q_heads", q_heads)?,
             int(OP, "kv_heads", kv_heads)?,
             Arg::F32(scale),
         ];
-        let dq_kernel = if d == 64 {
-            "attention_backward_dq_d64"
-        } else {
-            "attention_backward_dq_d128"
-        };
+        let dq_kernel = attention_kernel("attention_backward_dq", head_dim);
         let mut args = vec![
             self.p(dq),
             self.p(dout),
@@ -838,14 +856,14 @@ impl Backend for CudaBackend {
         self.launch(
             Module::Attention,
             dq_kernel,
-            cfg((lists.n_query_tiles() as u32, q_heads as u32, 1), THREADS),
+            LaunchConfig {
+                grid_dim: (lists.n_query_tiles() as u32, q_heads as u32, 1),
+                block_dim: (THREADS, 1, 1),
+                shared_mem_bytes: forward_shared_bytes(head_dim),
+            },
             &args,
         )?;
-        let dkdv_kernel = if d == 64 {
-            "attention_backward_dkdv_d64"
-        } else {
-            "attention_backward_dkdv_d128"
-        };
+        let dkdv_kernel = attention_kernel("attention_backward_dkdv", head_dim);
         let mut args = vec![
             self.p(dk),
             self.p(dv),
@@ -955,11 +973,7 @@ impl Backend for CudaBackend {
             });
         }
         let heads_per_block = 4;
-        let kernel = if head_dim == 64 {
-            "paged_attention_d64"
-        } else {
-            "paged_attention_d128"
-        };
+        let kernel = attention_kernel("paged_attention", head_dim);
         self.launch(
             Module::Attention,
             kernel,

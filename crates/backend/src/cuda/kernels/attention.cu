@@ -84,6 +84,51 @@ __device__ __forceinline__ void load_tile(bf16_t* tile, const bf16_t* src, u32 l
     }
 }
 
+// Asynchronous 16-byte (4-byte) global -> shared copies (sm_80+): the copy engine fills
+// the next tile while the warps compute on the current one. `valid == false` zero-fills.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+    u32 s = (u32)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(src), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async4(void* dst, const void* src, bool valid) {
+    u32 s = (u32)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(s), "l"(src), "r"(valid ? 4 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+// Waits until at most `pending` committed groups are still in flight.
+__device__ __forceinline__ void cp_async_wait(int pending) {
+    if (pending == 0) asm volatile("cp.async.wait_group 0;\n" ::);
+    else asm volatile("cp.async.wait_group 1;\n" ::);
+}
+
+// load_tile with asynchronous copies (commit and wait are the caller's).
+template <int D>
+__device__ __forceinline__ void load_tile_async(bf16_t* tile, const bf16_t* src, u32 lo, u32 hi, int heads,
+                                                int head, int rows) {
+    constexpr int CHUNKS = D / 8;
+    for (int e = threadIdx.x; e < rows * CHUNKS; e += blockDim.x) {
+        int r = e / CHUNKS, c = (e % CHUNKS) * 8;
+        u32 row = lo + r;
+        bool ok = row < hi;
+        cp_async16(tile + r * (D + PAD) + c, src + ((i64)(ok ? row : lo) * heads + head) * D + c, ok);
+    }
+}
+
+// The key tiles a query tile walks: first its segment's prefix (no causal mask), then its
+// own segment up to the last query. Tile i starts at `lo`, ends at `hi` (exclusive).
+struct KeyTiles {
+    u32 prefix_start, prefix_tiles, prefix_end, own_start, own_end;
+    __device__ KeyTiles(const u32* seg, u32 q_hi)
+        : prefix_start(seg[2]), prefix_tiles((seg[3] + K_TILE - 1) / K_TILE), prefix_end(seg[2] + seg[3]),
+          own_start(seg[0]), own_end(q_hi) {}
+    __device__ int count() const { return (int)(prefix_tiles + (own_end - own_start + K_TILE - 1) / K_TILE); }
+    __device__ bool causal(int i) const { return (u32)i >= prefix_tiles; }
+    __device__ u32 lo(int i) const {
+        return causal(i) ? own_start + ((u32)i - prefix_tiles) * K_TILE : prefix_start + (u32)i * K_TILE;
+    }
+    __device__ u32 hi(int i) const { return min(lo(i) + K_TILE, causal(i) ? own_end : prefix_end); }
+};
+
 // A fragments (16 rows x D) of rows row0 (lanes' g) and row0 + 8 straight from global memory.
 template <int D>
 __device__ __forceinline__ void load_a_rows(u32 (*a)[4], const bf16_t* src, u32 row0, u32 hi, int heads,
@@ -150,15 +195,23 @@ template <int D>
 __device__ void attention_forward_impl(bf16_t* out, float* lse, const bf16_t* q, const bf16_t* k,
                                        const bf16_t* v, const u32* segs, const u32* items, int q_heads,
                                        int kv_heads, float scale) {
-    constexpr int NT = K_TILE / 8, DT = D / 8;
-    __shared__ __align__(16) bf16_t ks[K_TILE * (D + PAD)];
-    __shared__ __align__(16) bf16_t vs[K_TILE * (D + PAD)];
+    constexpr int NT = K_TILE / 8, DT = D / 8, STAGE = K_TILE * (D + PAD);
+    // Two stages of K and V tiles: [stage][K | V][K_TILE][D + PAD].
+    extern __shared__ __align__(16) unsigned char smem[];
+    bf16_t* tiles = (bf16_t*)smem;
     const u32* item = items + 3 * blockIdx.x;
     const u32* seg = segs + 4 * item[0];
     u32 q_lo = item[1], q_hi = item[2];
     int h = blockIdx.y, kvh = h / (q_heads / kv_heads);
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     u32 row0 = q_lo + warp * 16 + g, row1 = row0 + 8;
+    KeyTiles kt(seg, q_hi);
+    int n_tiles = kt.count();
+    if (n_tiles > 0) {
+        load_tile_async<D>(tiles, k, kt.lo(0), kt.hi(0), kv_heads, kvh, K_TILE);
+        load_tile_async<D>(tiles + STAGE, v, kt.lo(0), kt.hi(0), kv_heads, kvh, K_TILE);
+    }
+    cp_async_commit();
 
     u32 qa[D / 16][4];
     load_a_rows<D>(qa, q, row0, q_hi, q_heads, h, t);
@@ -168,16 +221,20 @@ __device__ void attention_forward_impl(bf16_t* out, float* lse, const bf16_t* q,
     float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.0f, l1 = 0.0f;
     float sl = scale * LOG2E;
 
-    // Range 0: the prefix (no causal mask); range 1: the segment itself up to the last query.
-    for (int range = 0; range < 2; ++range) {
-        u32 r_lo = range == 0 ? seg[2] : seg[0];
-        u32 r_hi = range == 0 ? seg[2] + seg[3] : q_hi;
-        for (u32 t_lo = r_lo; t_lo < r_hi; t_lo += K_TILE) {
-            u32 t_hi = min(t_lo + K_TILE, r_hi);
+    for (int i = 0; i < n_tiles; ++i) {
+        {
+            if (i + 1 < n_tiles) {
+                bf16_t* next = tiles + ((i + 1) & 1) * 2 * STAGE;
+                load_tile_async<D>(next, k, kt.lo(i + 1), kt.hi(i + 1), kv_heads, kvh, K_TILE);
+                load_tile_async<D>(next + STAGE, v, kt.lo(i + 1), kt.hi(i + 1), kv_heads, kvh, K_TILE);
+            }
+            cp_async_commit();
+            cp_async_wait(1);
             __syncthreads();
-            load_tile<D>(ks, k, t_lo, t_hi, kv_heads, kvh, K_TILE);
-            load_tile<D>(vs, v, t_lo, t_hi, kv_heads, kvh, K_TILE);
-            __syncthreads();
+            const bf16_t* ks = tiles + (i & 1) * 2 * STAGE;
+            const bf16_t* vs = ks + STAGE;
+            u32 t_lo = kt.lo(i), t_hi = kt.hi(i);
+            bool causal = kt.causal(i);
             float s[NT][4];
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
@@ -189,7 +246,7 @@ __device__ void attention_forward_impl(bf16_t* out, float* lse, const bf16_t* q,
                 for (int c = 0; c < 4; ++c) {
                     u32 key = t_lo + nt * 8 + t * 2 + (c & 1);
                     u32 row = c < 2 ? row0 : row1;
-                    bool ok = key < t_hi && row < q_hi && (range == 0 || key <= row);
+                    bool ok = key < t_hi && row < q_hi && (!causal || key <= row);
                     float val = ok ? s[nt][c] * sl : NEG_INF;
                     s[nt][c] = val;
                     if (c < 2) mx0 = fmaxf(mx0, val);
@@ -221,6 +278,8 @@ __device__ void attention_forward_impl(bf16_t* out, float* lse, const bf16_t* q,
             }
             mma_p_tile<D, K_TILE / 16>(o, s, vs, lane);
         }
+        // The next iteration's copy overwrites this stage.
+        __syncthreads();
     }
     l0 = quad_sum(l0);
     l1 = quad_sum(l1);
@@ -252,22 +311,29 @@ extern "C" __global__ void attention_backward_delta(float* delta, const bf16_t* 
     }
 }
 
-// dQ for 64 queries of one head: with P = exp2(S - lse), dP = dO V^T,
+// dQ for 64 queries of one head (K/V tiles double-buffered like the forward): with P = exp2(S - lse), dP = dO V^T,
 // dS = P (dP - delta), dQ = scale * dS K.
 template <int D>
 __device__ void attention_backward_dq_impl(bf16_t* dq, const bf16_t* dout, const float* lse,
                                            const float* delta, const bf16_t* q, const bf16_t* k,
                                            const bf16_t* v, const u32* segs, const u32* items, int q_heads,
                                            int kv_heads, float scale) {
-    constexpr int NT = K_TILE / 8, DT = D / 8;
-    __shared__ __align__(16) bf16_t ks[K_TILE * (D + PAD)];
-    __shared__ __align__(16) bf16_t vs[K_TILE * (D + PAD)];
+    constexpr int NT = K_TILE / 8, DT = D / 8, STAGE = K_TILE * (D + PAD);
+    extern __shared__ __align__(16) unsigned char smem[];
+    bf16_t* tiles = (bf16_t*)smem;
     const u32* item = items + 3 * blockIdx.x;
     const u32* seg = segs + 4 * item[0];
     u32 q_lo = item[1], q_hi = item[2];
     int h = blockIdx.y, kvh = h / (q_heads / kv_heads);
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     u32 row0 = q_lo + warp * 16 + g, row1 = row0 + 8;
+    KeyTiles kt(seg, q_hi);
+    int n_tiles = kt.count();
+    if (n_tiles > 0) {
+        load_tile_async<D>(tiles, k, kt.lo(0), kt.hi(0), kv_heads, kvh, K_TILE);
+        load_tile_async<D>(tiles + STAGE, v, kt.lo(0), kt.hi(0), kv_heads, kvh, K_TILE);
+    }
+    cp_async_commit();
 
     u32 qa[D / 16][4], da[D / 16][4];
     load_a_rows<D>(qa, q, row0, q_hi, q_heads, h, t);
@@ -281,15 +347,20 @@ __device__ void attention_backward_dq_impl(bf16_t* dq, const bf16_t* dout, const
     float dl1 = row1 < q_hi ? delta[(i64)row1 * q_heads + h] : 0.0f;
     float sl = scale * LOG2E;
 
-    for (int range = 0; range < 2; ++range) {
-        u32 r_lo = range == 0 ? seg[2] : seg[0];
-        u32 r_hi = range == 0 ? seg[2] + seg[3] : q_hi;
-        for (u32 t_lo = r_lo; t_lo < r_hi; t_lo += K_TILE) {
-            u32 t_hi = min(t_lo + K_TILE, r_hi);
+    for (int i = 0; i < n_tiles; ++i) {
+        {
+            if (i + 1 < n_tiles) {
+                bf16_t* next = tiles + ((i + 1) & 1) * 2 * STAGE;
+                load_tile_async<D>(next, k, kt.lo(i + 1), kt.hi(i + 1), kv_heads, kvh, K_TILE);
+                load_tile_async<D>(next + STAGE, v, kt.lo(i + 1), kt.hi(i + 1), kv_heads, kvh, K_TILE);
+            }
+            cp_async_commit();
+            cp_async_wait(1);
             __syncthreads();
-            load_tile<D>(ks, k, t_lo, t_hi, kv_heads, kvh, K_TILE);
-            load_tile<D>(vs, v, t_lo, t_hi, kv_heads, kvh, K_TILE);
-            __syncthreads();
+            const bf16_t* ks = tiles + (i & 1) * 2 * STAGE;
+            const bf16_t* vs = ks + STAGE;
+            u32 t_lo = kt.lo(i), t_hi = kt.hi(i);
+            bool causal = kt.causal(i);
             float s[NT][4], dp[NT][4];
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt)
@@ -303,12 +374,13 @@ __device__ void attention_backward_dq_impl(bf16_t* dq, const bf16_t* dout, const
                 for (int c = 0; c < 4; ++c) {
                     u32 key = t_lo + nt * 8 + t * 2 + (c & 1);
                     u32 row = c < 2 ? row0 : row1;
-                    bool ok = key < t_hi && row < q_hi && (range == 0 || key <= row);
+                    bool ok = key < t_hi && row < q_hi && (!causal || key <= row);
                     float p = ok ? exp2f(s[nt][c] * sl - (c < 2 ? lse0 : lse1)) : 0.0f;
                     s[nt][c] = p * (dp[nt][c] - (c < 2 ? dl0 : dl1));
                 }
             mma_p_tile<D, K_TILE / 16>(acc, s, ks, lane);
         }
+        __syncthreads();
     }
     if (row0 < q_hi) {
         u32* dst = (u32*)(dq + ((i64)row0 * q_heads + h) * D);
@@ -322,33 +394,76 @@ __device__ void attention_backward_dq_impl(bf16_t* dq, const bf16_t* dout, const
     }
 }
 
+// The (head of the group, query range, 32-query tile) triples a dK/dV block walks, in order.
+struct QueryTiles {
+    const u32* ranges;
+    u32 r_begin, r_end;
+    int group, gi;
+    u32 ri, lo;
+    __device__ QueryTiles(const u32* ranges_, u32 r_begin_, u32 r_end_, int group_)
+        : ranges(ranges_), r_begin(r_begin_), r_end(r_end_), group(group_), gi(r_begin_ == r_end_ ? group_ : 0),
+          ri(r_begin_), lo(r_begin_ == r_end_ ? 0 : ranges_[3 * r_begin_ + 1]) {}
+    __device__ bool done() const { return gi >= group; }
+    __device__ u32 hi() const { return min(lo + QB_TILE, ranges[3 * ri + 2]); }
+    __device__ void advance() {
+        lo += QB_TILE;
+        if (lo >= ranges[3 * ri + 2]) {
+            if (++ri == r_end) {
+                ri = r_begin;
+                ++gi;
+            }
+            lo = ranges[3 * ri + 1];
+        }
+    }
+};
+
 // dK, dV for 64 keys of one kv head (16 per warp), summed over the heads of its group and
 // every query range that reads the tile: P^T = exp2(K Q^T - lse), dV += P^T dO,
 // dP^T = V dO^T, dS^T = P^T (dP^T - delta), dK += scale * dS^T Q. Each (key, kv head)
-// belongs to one block, so the results are written, not accumulated. K, V, Q and dO
-// tiles live in dynamic shared memory (K_TILE + K_TILE + 2 * QB_TILE rows).
+// belongs to one block, so the results are written, not accumulated. Dynamic shared
+// memory: the K and V tiles, then two stages of Q and dO tiles (QB_TILE rows each), then
+// two stages of the tiles' lse and delta.
 template <int D>
 __device__ void attention_backward_dkdv_impl(bf16_t* dk, bf16_t* dv, const bf16_t* dout, const float* lse,
                                              const float* delta, const bf16_t* q, const bf16_t* k,
                                              const bf16_t* v, const u32* segs, const u32* key_tiles,
                                              const u32* tile_ranges, const u32* ranges, int q_heads,
                                              int kv_heads, float scale) {
-    constexpr int NT = QB_TILE / 8, DT = D / 8, ROW = D + PAD;
+    constexpr int NT = QB_TILE / 8, DT = D / 8, ROW = D + PAD, QSTAGE = 2 * QB_TILE * ROW;
     extern __shared__ __align__(16) unsigned char smem[];
     bf16_t* ks = (bf16_t*)smem;
     bf16_t* vs = ks + K_TILE * ROW;
-    bf16_t* qs = vs + K_TILE * ROW;
-    bf16_t* dos = qs + QB_TILE * ROW;
-    float* lse2s = (float*)(dos + QB_TILE * ROW);
-    float* deltas = lse2s + QB_TILE;
+    bf16_t* qstages = vs + K_TILE * ROW;                   // [2][Q | dO][QB_TILE][ROW]
+    float* fstages = (float*)(qstages + 2 * QSTAGE);      // [2][lse | delta][QB_TILE]
     u32 k_lo = key_tiles[2 * blockIdx.x], k_hi = key_tiles[2 * blockIdx.x + 1];
     int kvh = blockIdx.y, group = q_heads / kv_heads;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     u32 key0 = k_lo + warp * 16 + g, key1 = key0 + 8;
-    load_tile<D>(ks, k, k_lo, k_hi, kv_heads, kvh, K_TILE);
-    load_tile<D>(vs, v, k_lo, k_hi, kv_heads, kvh, K_TILE);
     const bf16_t* my_k = ks + warp * 16 * ROW;
     const bf16_t* my_v = vs + warp * 16 * ROW;
+
+    // Copies the Q, dO, lse and delta rows of one query tile into `stage`.
+    auto issue = [&](const QueryTiles& it, int stage) {
+        int h = kvh * group + it.gi;
+        u32 lo = it.lo, hi = it.hi();
+        bf16_t* qs = qstages + stage * QSTAGE;
+        load_tile_async<D>(qs, q, lo, hi, q_heads, h, QB_TILE);
+        load_tile_async<D>(qs + QB_TILE * ROW, dout, lo, hi, q_heads, h, QB_TILE);
+        if (threadIdx.x < QB_TILE) {
+            u32 qrow = lo + threadIdx.x;
+            bool ok = qrow < hi;
+            i64 at = (i64)(ok ? qrow : lo) * q_heads + h;
+            float* fs = fstages + stage * 2 * QB_TILE;
+            cp_async4(fs + threadIdx.x, lse + at, ok);
+            cp_async4(fs + QB_TILE + threadIdx.x, delta + at, ok);
+        }
+    };
+
+    QueryTiles cur(ranges, tile_ranges[blockIdx.x], tile_ranges[blockIdx.x + 1], group);
+    load_tile_async<D>(ks, k, k_lo, k_hi, kv_heads, kvh, K_TILE);
+    load_tile_async<D>(vs, v, k_lo, k_hi, kv_heads, kvh, K_TILE);
+    if (!cur.done()) issue(cur, 0);
+    cp_async_commit();
 
     float dka[DT][4], dva[DT][4];
 #pragma unroll
@@ -357,51 +472,48 @@ __device__ void attention_backward_dkdv_impl(bf16_t* dk, bf16_t* dv, const bf16_
         for (int c = 0; c < 4; ++c) dka[dt][c] = dva[dt][c] = 0.0f;
     float sl = scale * LOG2E;
 
-    for (int gi = 0; gi < group; ++gi) {
-        int h = kvh * group + gi;
-        for (u32 ri = tile_ranges[blockIdx.x]; ri < tile_ranges[blockIdx.x + 1]; ++ri) {
-            const u32* seg = segs + 4 * ranges[3 * ri];
-            u32 r_lo = ranges[3 * ri + 1], r_hi = ranges[3 * ri + 2];
-            for (u32 t_lo = r_lo; t_lo < r_hi; t_lo += QB_TILE) {
-                u32 t_hi = min(t_lo + QB_TILE, r_hi);
-                __syncthreads();
-                load_tile<D>(qs, q, t_lo, t_hi, q_heads, h, QB_TILE);
-                load_tile<D>(dos, dout, t_lo, t_hi, q_heads, h, QB_TILE);
-                if (threadIdx.x < QB_TILE) {
-                    u32 qrow = t_lo + threadIdx.x;
-                    bool ok = qrow < t_hi;
-                    lse2s[threadIdx.x] = ok ? lse[(i64)qrow * q_heads + h] * LOG2E : 0.0f;
-                    deltas[threadIdx.x] = ok ? delta[(i64)qrow * q_heads + h] : 0.0f;
-                }
-                __syncthreads();
-                float s[NT][4], dp[NT][4];
+    for (int stage = 0; !cur.done(); stage ^= 1) {
+        QueryTiles next = cur;
+        next.advance();
+        if (!next.done()) issue(next, stage ^ 1);
+        cp_async_commit();
+        cp_async_wait(1);
+        __syncthreads();
+        const bf16_t* qs = qstages + stage * QSTAGE;
+        const bf16_t* dos = qs + QB_TILE * ROW;
+        const float* lses = fstages + stage * 2 * QB_TILE;
+        const float* deltas = lses + QB_TILE;
+        const u32* seg = segs + 4 * ranges[3 * cur.ri];
+        u32 t_lo = cur.lo, t_hi = cur.hi();
+        float s[NT][4], dp[NT][4];
 #pragma unroll
-                for (int nt = 0; nt < NT; ++nt)
+        for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-                    for (int c = 0; c < 4; ++c) s[nt][c] = dp[nt][c] = 0.0f;
-                {
-                    u32 a[D / 16][4];
-                    load_a_smem<D>(a, my_k, lane);
-                    mma_a_tileT<D, NT>(s, a, qs, lane);
-                    load_a_smem<D>(a, my_v, lane);
-                    mma_a_tileT<D, NT>(dp, a, dos, lane);
-                }
-#pragma unroll
-                for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                    for (int c = 0; c < 4; ++c) {
-                        int qc = nt * 8 + t * 2 + (c & 1);
-                        u32 qrow = t_lo + qc;
-                        u32 key = c < 2 ? key0 : key1;
-                        bool ok = key < k_hi && qrow < t_hi && attn_allowed(qrow, key, seg);
-                        float p = ok ? exp2f(s[nt][c] * sl - lse2s[qc]) : 0.0f;
-                        s[nt][c] = p;
-                        dp[nt][c] = p * (dp[nt][c] - deltas[qc]);
-                    }
-                mma_p_tile<D, QB_TILE / 16>(dva, s, dos, lane);
-                mma_p_tile<D, QB_TILE / 16>(dka, dp, qs, lane);
-            }
+            for (int c = 0; c < 4; ++c) s[nt][c] = dp[nt][c] = 0.0f;
+        {
+            u32 a[D / 16][4];
+            load_a_smem<D>(a, my_k, lane);
+            mma_a_tileT<D, NT>(s, a, qs, lane);
+            load_a_smem<D>(a, my_v, lane);
+            mma_a_tileT<D, NT>(dp, a, dos, lane);
         }
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                int qc = nt * 8 + t * 2 + (c & 1);
+                u32 qrow = t_lo + qc;
+                u32 key = c < 2 ? key0 : key1;
+                bool ok = key < k_hi && qrow < t_hi && attn_allowed(qrow, key, seg);
+                float p = ok ? exp2f(s[nt][c] * sl - lses[qc] * LOG2E) : 0.0f;
+                s[nt][c] = p;
+                dp[nt][c] = p * (dp[nt][c] - deltas[qc]);
+            }
+        mma_p_tile<D, QB_TILE / 16>(dva, s, dos, lane);
+        mma_p_tile<D, QB_TILE / 16>(dka, dp, qs, lane);
+        // The next iteration's copy overwrites this stage.
+        __syncthreads();
+        cur = next;
     }
     if (key0 < k_hi) {
         u32* dkd = (u32*)(dk + ((i64)key0 * kv_heads + kvh) * D);
@@ -423,44 +535,73 @@ __device__ void attention_backward_dkdv_impl(bf16_t* dk, bf16_t* dv, const bf16_
     }
 }
 
-// Paged attention: one warp per (query token, q head); lane owns dims lane + 32*j.
-// Keys are read through the block table; one pass with online softmax.
+// Paged attention: one warp per (query token, q head), 4 heads of consecutive kv groups per
+// block so their K/V rows are shared through L1. Keys are walked in chunks of 32, one key
+// per lane: each lane reads its key's row with 16-byte loads and dots it with q (in shared
+// memory, broadcast); the chunk's online-softmax update is one warp max and one warp sum;
+// then the lanes, each owning D/32 dims, accumulate the 32 V rows (coalesced loads).
 template <int D>
 __device__ void paged_attention_impl(bf16_t* out, const bf16_t* q, const bf16_t* k_cache,
                                      const bf16_t* v_cache, const u32* block_tables, const u32* token_seq,
                                      const u32* token_pos, int max_blocks, int block_size, int q_heads,
                                      int kv_heads, float scale) {
     constexpr int DL = D / 32;
-    int lane = threadIdx.x & 31;
-    int h = blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (h >= q_heads) return;
+    __shared__ __align__(16) float qs[4][D];
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int h = blockIdx.y * 4 + warp;
+    if (h >= q_heads) return;  // whole warp; no block-wide barrier below
     int t = blockIdx.x, kvh = h / (q_heads / kv_heads);
     u32 seq = token_seq[t], pos = token_pos[t];
     i64 row = (i64)t * q_heads + h;
-    float qr[DL], acc[DL];
+    for (int d = lane; d < D; d += 32) qs[warp][d] = bf2f(q[row * D + d]) * scale * LOG2E;
+    __syncwarp();
+    const u32* table = block_tables + (i64)seq * max_blocks;
+    float acc[DL];
 #pragma unroll
-    for (int j = 0; j < DL; ++j) {
-        qr[j] = bf2f(q[row * D + lane + 32 * j]) * scale * LOG2E;
-        acc[j] = 0.0f;
-    }
+    for (int j = 0; j < DL; ++j) acc[j] = 0.0f;
     float m = NEG_INF, l = 0.0f;
-    for (u32 p = 0; p <= pos; ++p) {
-        i64 slot = (i64)block_tables[(i64)seq * max_blocks + p / block_size] * block_size + p % block_size;
-        i64 base = (slot * kv_heads + kvh) * D;
-        float s = 0.0f;
+    for (u32 c0 = 0; c0 <= pos; c0 += 32) {
+        u32 key = c0 + lane;
+        bool valid = key <= pos;
+        i64 base = 0;
+        float s = NEG_INF;
+        if (valid) {
+            i64 slot = (i64)table[key / block_size] * block_size + key % block_size;
+            base = (slot * kv_heads + kvh) * D;
+            const uint4* kp = (const uint4*)(k_cache + base);
+            float dot = 0.0f;
 #pragma unroll
-        for (int j = 0; j < DL; ++j) s = fmaf(qr[j], bf2f(k_cache[base + lane + 32 * j]), s);
-        s = warp_sum(s);
-        float m_new = fmaxf(m, s);
-        float corr = exp2f(m - m_new), e = exp2f(s - m_new);
-        l = l * corr + e;
+            for (int c = 0; c < D / 8; ++c) {
+                uint4 kv = kp[c];
+                const float* qq = &qs[warp][c * 8];
+                u32 w[4] = {kv.x, kv.y, kv.z, kv.w};
 #pragma unroll
-        for (int j = 0; j < DL; ++j) acc[j] = fmaf(e, bf2f(v_cache[base + lane + 32 * j]), acc[j] * corr);
+                for (int e = 0; e < 4; ++e) {
+                    dot = fmaf(qq[2 * e], __uint_as_float(w[e] << 16), dot);
+                    dot = fmaf(qq[2 * e + 1], __uint_as_float(w[e] & 0xffff0000u), dot);
+                }
+            }
+            s = dot;
+        }
+        float m_new = fmaxf(m, warp_max(s));
+        float corr = exp2f(m - m_new);
+        float p = valid ? exp2f(s - m_new) : 0.0f;
+        l = l * corr + warp_sum(p);
+#pragma unroll
+        for (int j = 0; j < DL; ++j) acc[j] *= corr;
         m = m_new;
+        int n = (int)min(32u, pos + 1 - c0);
+        for (int j = 0; j < n; ++j) {
+            float pj = __shfl_sync(0xffffffffu, p, j);
+            i64 bj = __shfl_sync(0xffffffffu, base, j);
+            const bf16_t* vp = v_cache + bj + lane * DL;
+#pragma unroll
+            for (int e = 0; e < DL; ++e) acc[e] = fmaf(pj, bf2f(vp[e]), acc[e]);
+        }
     }
     float inv_l = 1.0f / l;
 #pragma unroll
-    for (int j = 0; j < DL; ++j) out[row * D + lane + 32 * j] = f2bf(acc[j] * inv_l);
+    for (int e = 0; e < DL; ++e) out[row * D + lane * DL + e] = f2bf(acc[e] * inv_l);
 }
 
 // k_cache[slots[t], :, :] = k[t, :, :] and the same for v; `row` = kv_heads * head_dim.
@@ -503,5 +644,6 @@ extern "C" __global__ void kv_cache_write(bf16_t* k_cache, bf16_t* v_cache, cons
                                 block_size, q_heads, kv_heads, scale);                                      \
     }
 
+ATTENTION_INSTANCES(32)
 ATTENTION_INSTANCES(64)
 ATTENTION_INSTANCES(128)
