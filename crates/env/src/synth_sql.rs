@@ -1,1 +1,1181 @@
-//! (in progress: data)
+//! A synthetic text-to-SQL task small enough to learn from scratch on a laptop.
+//!
+//! Three SQLite databases (a shop, a school and a library; four tables each, linked by foreign
+//! keys, tens of rows) are filled deterministically from a seed. Questions come from a dozen
+//! regular templates of graded difficulty, each with gold SQL that is executed at generation
+//! time; questions whose answer is empty, NULL, a zero count or a tie under `LIMIT 1` are
+//! skipped. Prompts use the same Arctic format as BIRD ([`crate::bird::arctic_prompt`]) over
+//! the compact one-line-per-table schema, so a whole prompt stays within a few hundred tokens.
+//!
+//! The train and test splits hold out values: every constant that appears in a question (a
+//! name, a category, a threshold) belongs to exactly one split, so test questions ask about
+//! things no training question mentions. Templates are drawn round-robin, so every kind of
+//! question appears in both splits in similar proportions.
+//!
+//! Each row's extras carry `db_id`, `db_path`, `difficulty` (1–5), `template`, the question's
+//! `constants`, and `reference_answer`, a completion in the expected format that a
+//! supervised warm start can train on.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+
+use rusqlite::types::Value as SqlValue;
+use rusqlite::Connection;
+use serde_json::{json, Map};
+
+use crate::bird::{arctic_answer, arctic_prompt, render_schema, SchemaOptions};
+use crate::dataset::{write_rows, DatasetError, Row, SplitMix64};
+
+/// `data_source` of the synthetic SQL rows.
+pub const DATA_SOURCE: &str = "synth_sql";
+
+/// What to generate.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SynthSqlOptions {
+    /// Seed for database contents, held-out values and question order.
+    pub seed: u64,
+    /// Number of training rows. When it exceeds the distinct training questions, they repeat
+    /// in a fresh order.
+    pub train: usize,
+    /// Number of test rows, likewise.
+    pub test: usize,
+    /// The one-line-per-table schema (default) instead of the annotated BIRD-train layout.
+    pub compact: bool,
+    /// Fraction of each pool of constants held out for the test split.
+    pub test_fraction: f64,
+}
+
+impl Default for SynthSqlOptions {
+    fn default() -> Self {
+        Self {
+            seed: 0,
+            train: 2000,
+            test: 200,
+            compact: true,
+            test_fraction: 0.3,
+        }
+    }
+}
+
+/// Errors generating the task.
+#[derive(Debug, thiserror::Error)]
+pub enum SynthSqlError {
+    /// A file or folder could not be created.
+    #[error("{}: {source}", path.display())]
+    Io {
+        /// The path.
+        path: PathBuf,
+        /// The underlying error.
+        source: std::io::Error,
+    },
+    /// SQLite failed while building a database or running a gold query.
+    #[error("{}: {source}", path.display())]
+    Sqlite {
+        /// The database file.
+        path: PathBuf,
+        /// The underlying error.
+        source: rusqlite::Error,
+    },
+    /// Writing a split failed.
+    #[error(transparent)]
+    Dataset(#[from] DatasetError),
+    /// A split has no questions (e.g. a `test_fraction` of 0 with test rows requested).
+    #[error("no {split} questions can be generated with these options")]
+    EmptySplit {
+        /// `train` or `test`.
+        split: &'static str,
+    },
+}
+
+/// The generated task.
+#[derive(Debug, Clone)]
+pub struct SynthSql {
+    /// Training rows; `db_path` absolute.
+    pub train: Vec<Row>,
+    /// Test rows; `db_path` absolute.
+    pub test: Vec<Row>,
+    /// The SQLite files written.
+    pub databases: Vec<PathBuf>,
+    /// Distinct questions available to each split before any repetition: (train, test).
+    pub distinct_questions: (usize, usize),
+}
+
+/// Builds the databases in `out_dir` (creating it; existing database files are replaced) and
+/// returns the rows of both splits.
+pub fn generate(out_dir: &Path, options: &SynthSqlOptions) -> Result<SynthSql, SynthSqlError> {
+    std::fs::create_dir_all(out_dir).map_err(|source| SynthSqlError::Io {
+        path: out_dir.to_path_buf(),
+        source,
+    })?;
+    let out_dir = std::path::absolute(out_dir).map_err(|source| SynthSqlError::Io {
+        path: out_dir.to_path_buf(),
+        source,
+    })?;
+    let mut databases = Vec::new();
+    let mut schemas = Vec::new();
+    let mut pools: Vec<Vec<String>> = Vec::new();
+    let mut candidates = Vec::new();
+    for (db_index, spec) in DATABASES.iter().enumerate() {
+        let path = out_dir.join(format!("{}.sqlite", spec.id));
+        let sqlite_err = |source| SynthSqlError::Sqlite {
+            path: path.clone(),
+            source,
+        };
+        let mut rng = SplitMix64::new(options.seed, db_index as u64);
+        let conn = build_database(&path, spec, &mut rng)?;
+        let schema_options = if options.compact {
+            SchemaOptions::compact()
+        } else {
+            SchemaOptions::bird_train()
+        };
+        schemas.push(render_schema(&conn, &schema_options, None).map_err(sqlite_err)?);
+        let db_candidates = questions(&conn, spec, db_index, &mut pools).map_err(sqlite_err)?;
+        candidates.extend(db_candidates);
+        databases.push(path);
+    }
+
+    let held_out = hold_out(&pools, options);
+    let mut by_split: [BTreeMap<&'static str, Vec<Question>>; 2] = Default::default();
+    for question in candidates {
+        let splits: Vec<bool> = question.constants.iter().map(|c| held_out[c]).collect();
+        if splits.iter().all(|&t| t) {
+            by_split[1]
+                .entry(question.template)
+                .or_default()
+                .push(question);
+        } else if splits.iter().all(|&t| !t) {
+            by_split[0]
+                .entry(question.template)
+                .or_default()
+                .push(question);
+        }
+    }
+    let distinct = (
+        by_split[0].values().map(Vec::len).sum(),
+        by_split[1].values().map(Vec::len).sum(),
+    );
+    let mut rows = Vec::new();
+    for (split_index, (name, count)) in [("train", options.train), ("test", options.test)]
+        .into_iter()
+        .enumerate()
+    {
+        let groups = std::mem::take(&mut by_split[split_index]);
+        let mut rng = SplitMix64::new(options.seed, 100 + split_index as u64);
+        let chosen = round_robin(groups, count, &mut rng);
+        if count > 0 && chosen.is_empty() {
+            return Err(SynthSqlError::EmptySplit { split: name });
+        }
+        rows.push(
+            chosen
+                .iter()
+                .enumerate()
+                .map(|(index, q)| {
+                    to_row(
+                        q,
+                        &databases[q.db],
+                        &schemas[q.db],
+                        name,
+                        index,
+                        options.compact,
+                    )
+                })
+                .collect::<Vec<Row>>(),
+        );
+    }
+    let test = rows.pop().unwrap_or_default();
+    let train = rows.pop().unwrap_or_default();
+    Ok(SynthSql {
+        train,
+        test,
+        databases,
+        distinct_questions: distinct,
+    })
+}
+
+/// [`generate`], then writes `train.parquet` and `test.parquet` next to the databases (their
+/// `db_path` relative, so the folder can move).
+pub fn write_synth_sql(
+    out_dir: &Path,
+    options: &SynthSqlOptions,
+) -> Result<SynthSql, SynthSqlError> {
+    let task = generate(out_dir, options)?;
+    write_rows(out_dir.join("train.parquet"), &task.train)?;
+    write_rows(out_dir.join("test.parquet"), &task.test)?;
+    Ok(task)
+}
+
+fn to_row(
+    q: &Question,
+    db_path: &Path,
+    schema: &str,
+    split: &str,
+    index: usize,
+    compact: bool,
+) -> Row {
+    let spec = &DATABASES[q.db];
+    let mut extras = Map::new();
+    extras.insert("db_id".into(), json!(spec.id));
+    extras.insert("db_path".into(), json!(db_path.to_string_lossy()));
+    extras.insert("difficulty".into(), json!(q.difficulty));
+    extras.insert("template".into(), json!(q.template));
+    extras.insert("constants".into(), json!(q.constants));
+    extras.insert("question".into(), json!(q.text));
+    extras.insert("split".into(), json!(split));
+    extras.insert(
+        "reference_answer".into(),
+        json!(arctic_answer(&q.reasoning, &q.sql)),
+    );
+    Row::new(
+        arctic_prompt(schema, &q.text, compact),
+        DATA_SOURCE,
+        Some(crate::env::BIRD.to_string()),
+        Some(json!(q.sql)),
+        extras,
+        index,
+    )
+}
+
+/// Takes `count` questions, cycling through the templates in a seeded order and taking each
+/// template's questions in a seeded order; a template that runs out reshuffles and repeats.
+fn round_robin(
+    groups: BTreeMap<&'static str, Vec<Question>>,
+    count: usize,
+    rng: &mut SplitMix64,
+) -> Vec<Question> {
+    let mut groups: Vec<Vec<Question>> = groups.into_values().filter(|g| !g.is_empty()).collect();
+    if groups.is_empty() {
+        return Vec::new();
+    }
+    for group in &mut groups {
+        rng.shuffle(group);
+    }
+    let mut next = vec![0usize; groups.len()];
+    let mut chosen = Vec::with_capacity(count);
+    let mut order: Vec<usize> = (0..groups.len()).collect();
+    while chosen.len() < count {
+        rng.shuffle(&mut order);
+        for &g in &order {
+            if chosen.len() == count {
+                break;
+            }
+            if next[g] == groups[g].len() {
+                rng.shuffle(&mut groups[g]);
+                next[g] = 0;
+            }
+            chosen.push(groups[g][next[g]].clone());
+            next[g] += 1;
+        }
+    }
+    chosen
+}
+
+/// Marks each constant held out (`true`) or not. Pools are visited in a fixed order and each
+/// pool's values in a seeded order; a constant already marked by an earlier pool keeps its
+/// mark, so a string shared by two pools (a city that is also a name) is never split.
+fn hold_out(pools: &[Vec<String>], options: &SynthSqlOptions) -> HashMap<String, bool> {
+    let mut held_out: HashMap<String, bool> = HashMap::new();
+    let mut rng = SplitMix64::new(options.seed, 99);
+    for pool in pools {
+        let mut values = pool.clone();
+        values.sort();
+        values.dedup();
+        rng.shuffle(&mut values);
+        let target = (values.len() as f64 * options.test_fraction).round() as usize;
+        let target = if options.test_fraction > 0.0 && values.len() >= 2 {
+            target.clamp(1, values.len() - 1)
+        } else {
+            target
+        };
+        let mut in_test = values
+            .iter()
+            .filter(|v| held_out.get(*v) == Some(&true))
+            .count();
+        for value in values {
+            if held_out.contains_key(&value) {
+                continue;
+            }
+            let test = in_test < target;
+            in_test += usize::from(test);
+            held_out.insert(value, test);
+        }
+    }
+    held_out
+}
+
+// ---------------------------------------------------------------------------------------------
+// Database specifications
+
+#[derive(Debug)]
+struct DatabaseSpec {
+    id: &'static str,
+    tables: &'static [TableSpec],
+}
+
+#[derive(Debug)]
+struct TableSpec {
+    name: &'static str,
+    singular: &'static str,
+    plural: &'static str,
+    rows: usize,
+    columns: &'static [ColumnSpec],
+}
+
+#[derive(Debug)]
+struct ColumnSpec {
+    name: &'static str,
+    /// How questions call the column ("price", "number of pages").
+    phrase: &'static str,
+    kind: ColumnKind,
+}
+
+#[derive(Debug)]
+enum ColumnKind {
+    /// `INTEGER PRIMARY KEY`, 1..=rows.
+    Id,
+    /// The unique text that names a row; `plural` is how questions call the column's values
+    /// ("names", "titles").
+    Label {
+        pool: LabelPool,
+        plural: &'static str,
+    },
+    /// Text from a short list.
+    Category(&'static [&'static str]),
+    /// An integer in `lo..=hi`; `total` marks quantities that make sense summed.
+    Number { lo: i64, hi: i64, total: bool },
+    /// A reference to another table's `id`; `verb` reads "{child plural} are {verb} the
+    /// {parent}" ("placed by", "for").
+    ForeignKey {
+        table: &'static str,
+        verb: &'static str,
+    },
+}
+
+#[derive(Debug, Clone, Copy)]
+enum LabelPool {
+    Person,
+    Product,
+    Company,
+    Course,
+    Book,
+}
+
+const FIRST_NAMES: &[&str] = &[
+    "Alice", "Bob", "Carol", "David", "Emma", "Frank", "Grace", "Henry", "Irene", "Jack", "Karen",
+    "Leo", "Maria", "Nina", "Oscar", "Paul", "Rosa", "Sam", "Tina", "Victor", "Wendy", "Yara",
+];
+const LAST_NAMES: &[&str] = &[
+    "Smith", "Jones", "Brown", "Lee", "Garcia", "Miller", "Davis", "Wilson", "Moore", "Clark",
+    "Lewis", "Walker", "Hall", "Young", "King", "Wright",
+];
+const PRODUCT_ADJECTIVES: &[&str] = &[
+    "Red", "Blue", "Green", "Small", "Large", "Smart", "Classic", "Deluxe",
+];
+const PRODUCT_NOUNS: &[&str] = &[
+    "Lamp", "Chair", "Desk", "Mug", "Phone", "Clock", "Bag", "Kettle", "Fan", "Pen",
+];
+const COMPANIES: &[&str] = &[
+    "Acme",
+    "Globex",
+    "Initech",
+    "Umbrella",
+    "Stark",
+    "Wayne",
+    "Hooli",
+    "Vandelay",
+    "Soylent",
+    "Tyrell",
+    "Cyberdyne",
+    "Wonka",
+];
+const COURSE_NAMES: &[&str] = &[
+    "Algebra",
+    "Geometry",
+    "Biology",
+    "Chemistry",
+    "Physics",
+    "Botany",
+    "Poetry",
+    "Drawing",
+    "Choir",
+    "Economics",
+    "Statistics",
+    "Robotics",
+    "Painting",
+    "Spanish",
+    "French",
+    "Latin",
+    "Astronomy",
+    "Geology",
+    "Ethics",
+    "Logic",
+];
+const BOOK_ADJECTIVES: &[&str] = &[
+    "Silent", "Hidden", "Golden", "Broken", "Last", "Lost", "Secret", "Winter",
+];
+const BOOK_NOUNS: &[&str] = &[
+    "River", "Garden", "Road", "Tower", "Island", "Forest", "Letter", "Mirror",
+];
+const CITIES: &[&str] = &[
+    "Paris", "Tokyo", "Lima", "Oslo", "Rome", "Cairo", "Delhi", "Berlin", "Madrid", "Sydney",
+];
+const COUNTRIES: &[&str] = &[
+    "France", "Japan", "Brazil", "Canada", "Egypt", "India", "Italy", "Mexico", "Spain", "Kenya",
+];
+
+impl LabelPool {
+    /// Every possible label, in a fixed order.
+    fn all(self) -> Vec<String> {
+        let cross = |a: &[&str], b: &[&str], fmt: fn(&str, &str) -> String| {
+            a.iter()
+                .flat_map(|x| b.iter().map(move |y| fmt(x, y)))
+                .collect()
+        };
+        match self {
+            LabelPool::Person => cross(FIRST_NAMES, LAST_NAMES, |a, b| format!("{a} {b}")),
+            LabelPool::Product => {
+                cross(PRODUCT_ADJECTIVES, PRODUCT_NOUNS, |a, b| format!("{a} {b}"))
+            }
+            LabelPool::Company => COMPANIES.iter().map(|s| s.to_string()).collect(),
+            LabelPool::Course => COURSE_NAMES.iter().map(|s| s.to_string()).collect(),
+            LabelPool::Book => cross(BOOK_ADJECTIVES, BOOK_NOUNS, |a, b| format!("The {a} {b}")),
+        }
+    }
+}
+
+const fn col(name: &'static str, phrase: &'static str, kind: ColumnKind) -> ColumnSpec {
+    ColumnSpec { name, phrase, kind }
+}
+
+const ID: ColumnSpec = col("id", "id", ColumnKind::Id);
+
+const fn label(pool: LabelPool, name: &'static str, plural: &'static str) -> ColumnSpec {
+    col(name, name, ColumnKind::Label { pool, plural })
+}
+
+const fn number(name: &'static str, phrase: &'static str, lo: i64, hi: i64) -> ColumnSpec {
+    col(
+        name,
+        phrase,
+        ColumnKind::Number {
+            lo,
+            hi,
+            total: false,
+        },
+    )
+}
+
+const fn amount(name: &'static str, phrase: &'static str, lo: i64, hi: i64) -> ColumnSpec {
+    col(
+        name,
+        phrase,
+        ColumnKind::Number {
+            lo,
+            hi,
+            total: true,
+        },
+    )
+}
+
+const fn category(name: &'static str, values: &'static [&'static str]) -> ColumnSpec {
+    col(name, name, ColumnKind::Category(values))
+}
+
+const fn fk(name: &'static str, table: &'static str, verb: &'static str) -> ColumnSpec {
+    col(name, name, ColumnKind::ForeignKey { table, verb })
+}
+
+const DATABASES: &[DatabaseSpec] = &[
+    DatabaseSpec {
+        id: "shop",
+        tables: &[
+            TableSpec {
+                name: "suppliers",
+                singular: "supplier",
+                plural: "suppliers",
+                rows: 10,
+                columns: &[
+                    ID,
+                    label(LabelPool::Company, "name", "names"),
+                    category("country", COUNTRIES),
+                ],
+            },
+            TableSpec {
+                name: "products",
+                singular: "product",
+                plural: "products",
+                rows: 30,
+                columns: &[
+                    ID,
+                    label(LabelPool::Product, "name", "names"),
+                    category(
+                        "category",
+                        &["toys", "garden", "kitchen", "sports", "office", "travel"],
+                    ),
+                    number("price", "price", 5, 200),
+                    amount("stock", "stock", 0, 100),
+                    fk("supplier_id", "suppliers", "supplied by"),
+                ],
+            },
+            TableSpec {
+                name: "customers",
+                singular: "customer",
+                plural: "customers",
+                rows: 30,
+                columns: &[
+                    ID,
+                    label(LabelPool::Person, "name", "names"),
+                    category("city", CITIES),
+                    number("age", "age", 18, 80),
+                ],
+            },
+            TableSpec {
+                name: "orders",
+                singular: "order",
+                plural: "orders",
+                rows: 60,
+                columns: &[
+                    ID,
+                    fk("customer_id", "customers", "placed by"),
+                    fk("product_id", "products", "for"),
+                    amount("quantity", "quantity", 1, 10),
+                    number("year", "year", 2015, 2024),
+                ],
+            },
+        ],
+    },
+    DatabaseSpec {
+        id: "school",
+        tables: &[
+            TableSpec {
+                name: "teachers",
+                singular: "teacher",
+                plural: "teachers",
+                rows: 12,
+                columns: &[
+                    ID,
+                    label(LabelPool::Person, "name", "names"),
+                    category(
+                        "subject",
+                        &["math", "science", "art", "history", "music", "language"],
+                    ),
+                    number("salary", "salary", 30, 90),
+                ],
+            },
+            TableSpec {
+                name: "courses",
+                singular: "course",
+                plural: "courses",
+                rows: 16,
+                columns: &[
+                    ID,
+                    label(LabelPool::Course, "name", "names"),
+                    category("level", &["beginner", "intermediate", "advanced"]),
+                    amount("credits", "number of credits", 1, 6),
+                    fk("teacher_id", "teachers", "taught by"),
+                ],
+            },
+            TableSpec {
+                name: "students",
+                singular: "student",
+                plural: "students",
+                rows: 40,
+                columns: &[
+                    ID,
+                    label(LabelPool::Person, "name", "names"),
+                    category("city", CITIES),
+                    number("age", "age", 16, 30),
+                ],
+            },
+            TableSpec {
+                name: "enrollments",
+                singular: "enrollment",
+                plural: "enrollments",
+                rows: 80,
+                columns: &[
+                    ID,
+                    fk("student_id", "students", "made by"),
+                    fk("course_id", "courses", "in"),
+                    number("score", "score", 40, 100),
+                ],
+            },
+        ],
+    },
+    DatabaseSpec {
+        id: "library",
+        tables: &[
+            TableSpec {
+                name: "authors",
+                singular: "author",
+                plural: "authors",
+                rows: 15,
+                columns: &[
+                    ID,
+                    label(LabelPool::Person, "name", "names"),
+                    category("country", COUNTRIES),
+                    number("birth_year", "birth year", 1940, 2000),
+                ],
+            },
+            TableSpec {
+                name: "books",
+                singular: "book",
+                plural: "books",
+                rows: 40,
+                columns: &[
+                    ID,
+                    label(LabelPool::Book, "title", "titles"),
+                    category(
+                        "genre",
+                        &[
+                            "mystery", "fantasy", "romance", "history", "poetry", "science",
+                        ],
+                    ),
+                    amount("pages", "number of pages", 80, 900),
+                    number("year", "year", 1950, 2023),
+                    fk("author_id", "authors", "written by"),
+                ],
+            },
+            TableSpec {
+                name: "members",
+                singular: "member",
+                plural: "members",
+                rows: 30,
+                columns: &[
+                    ID,
+                    label(LabelPool::Person, "name", "names"),
+                    category("city", CITIES),
+                    number("age", "age", 12, 85),
+                ],
+            },
+            TableSpec {
+                name: "loans",
+                singular: "loan",
+                plural: "loans",
+                rows: 80,
+                columns: &[
+                    ID,
+                    fk("book_id", "books", "for"),
+                    fk("member_id", "members", "made by"),
+                    amount("days", "number of days", 1, 60),
+                ],
+            },
+        ],
+    },
+];
+
+impl TableSpec {
+    fn label(&self) -> Option<(&ColumnSpec, &'static str)> {
+        self.columns.iter().find_map(|c| match c.kind {
+            ColumnKind::Label { plural, .. } => Some((c, plural)),
+            _ => None,
+        })
+    }
+
+    fn categories(&self) -> impl Iterator<Item = &ColumnSpec> {
+        self.columns
+            .iter()
+            .filter(|c| matches!(c.kind, ColumnKind::Category(_)))
+    }
+
+    fn numbers(&self) -> impl Iterator<Item = (&ColumnSpec, bool)> {
+        self.columns.iter().filter_map(|c| match c.kind {
+            ColumnKind::Number { total, .. } => Some((c, total)),
+            _ => None,
+        })
+    }
+}
+
+impl DatabaseSpec {
+    fn table(&self, name: &str) -> &TableSpec {
+        self.tables
+            .iter()
+            .find(|t| t.name == name)
+            .expect("foreign keys name tables of the same database")
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Database contents
+
+fn build_database(
+    path: &Path,
+    spec: &DatabaseSpec,
+    rng: &mut SplitMix64,
+) -> Result<Connection, SynthSqlError> {
+    let sqlite_err = |source| SynthSqlError::Sqlite {
+        path: path.to_path_buf(),
+        source,
+    };
+    match std::fs::remove_file(path) {
+        Ok(()) => {}
+        Err(err) if err.kind() == std::io::ErrorKind::NotFound => {}
+        Err(source) => {
+            return Err(SynthSqlError::Io {
+                path: path.to_path_buf(),
+                source,
+            })
+        }
+    }
+    let mut conn = Connection::open(path).map_err(sqlite_err)?;
+    let tx = conn.transaction().map_err(sqlite_err)?;
+    for table in spec.tables {
+        let columns: Vec<String> = table
+            .columns
+            .iter()
+            .map(|c| match c.kind {
+                ColumnKind::Id => format!("{} INTEGER PRIMARY KEY", c.name),
+                ColumnKind::Label { .. } | ColumnKind::Category(_) => format!("{} TEXT", c.name),
+                ColumnKind::Number { .. } => format!("{} INTEGER", c.name),
+                ColumnKind::ForeignKey { table, .. } => {
+                    format!("{} INTEGER REFERENCES {table}(id)", c.name)
+                }
+            })
+            .collect();
+        tx.execute(
+            &format!("CREATE TABLE {} ({})", table.name, columns.join(", ")),
+            [],
+        )
+        .map_err(sqlite_err)?;
+        let placeholders = vec!["?"; table.columns.len()].join(", ");
+        let mut insert = tx
+            .prepare(&format!(
+                "INSERT INTO {} VALUES ({placeholders})",
+                table.name
+            ))
+            .map_err(sqlite_err)?;
+        let mut labels: HashMap<&str, Vec<String>> = HashMap::new();
+        for c in table.columns {
+            if let ColumnKind::Label { pool, .. } = c.kind {
+                let mut all = pool.all();
+                rng.shuffle(&mut all);
+                all.truncate(table.rows);
+                labels.insert(c.name, all);
+            }
+        }
+        for row in 0..table.rows {
+            let values: Vec<SqlValue> = table
+                .columns
+                .iter()
+                .map(|c| match c.kind {
+                    ColumnKind::Id => SqlValue::Integer(row as i64 + 1),
+                    ColumnKind::Label { .. } => SqlValue::Text(labels[c.name][row].clone()),
+                    ColumnKind::Category(values) => SqlValue::Text(rng.pick(values).to_string()),
+                    ColumnKind::Number { lo, hi, .. } => SqlValue::Integer(rng.range(lo, hi)),
+                    ColumnKind::ForeignKey { table: parent, .. } => {
+                        SqlValue::Integer(rng.range(1, spec.table(parent).rows as i64))
+                    }
+                })
+                .collect();
+            insert
+                .execute(rusqlite::params_from_iter(values))
+                .map_err(sqlite_err)?;
+        }
+    }
+    tx.commit().map_err(sqlite_err)?;
+    Ok(conn)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Questions
+
+#[derive(Debug, Clone)]
+struct Question {
+    db: usize,
+    template: &'static str,
+    difficulty: u8,
+    text: String,
+    sql: String,
+    reasoning: String,
+    /// The question's held-out-able values, as they appear in the text.
+    constants: Vec<String>,
+}
+
+/// A question under construction, with an optional query that must return two different
+/// values (or fewer than two rows) for a `LIMIT 1` answer to be unambiguous.
+struct Draft {
+    question: Question,
+    tie_check: Option<String>,
+}
+
+/// Aggregates as (SQL function, question word); `SUM` only for quantities that add up.
+const AGGREGATES: &[(&str, &str)] = &[("AVG", "average"), ("MAX", "highest"), ("MIN", "lowest")];
+
+/// Every question the templates can ask about one database whose gold answer is informative.
+/// Each constant pool (the distinct values a template slot takes) is appended to `pools`.
+fn questions(
+    conn: &Connection,
+    spec: &DatabaseSpec,
+    db: usize,
+    pools: &mut Vec<Vec<String>>,
+) -> rusqlite::Result<Vec<Question>> {
+    let mut drafts = Vec::new();
+    let mut draft = |template: &'static str,
+                     difficulty: u8,
+                     text: String,
+                     sql: String,
+                     reasoning: String,
+                     constants: Vec<String>,
+                     tie_check: Option<String>| {
+        drafts.push(Draft {
+            question: Question {
+                db,
+                template,
+                difficulty,
+                text,
+                sql,
+                reasoning,
+                constants,
+            },
+            tie_check,
+        })
+    };
+    for table in spec.tables {
+        let t = table.name;
+        let labels = match table.label() {
+            Some((label, _)) => distinct_text(conn, t, label.name)?,
+            None => Vec::new(),
+        };
+        pools.push(labels.clone());
+        let categories: Vec<(&ColumnSpec, Vec<String>)> = table
+            .categories()
+            .map(|c| Ok((c, distinct_text(conn, t, c.name)?)))
+            .collect::<rusqlite::Result<_>>()?;
+        for (_, values) in &categories {
+            pools.push(values.clone());
+        }
+        let thresholds: Vec<(&ColumnSpec, bool, Vec<i64>)> = table
+            .numbers()
+            .map(|(c, total)| {
+                let ColumnKind::Number { lo, hi, .. } = c.kind else {
+                    unreachable!("numbers() yields number columns")
+                };
+                (c, total, thresholds(lo, hi))
+            })
+            .collect();
+        for (_, _, values) in &thresholds {
+            pools.push(values.iter().map(i64::to_string).collect());
+        }
+
+        if let Some((label, label_plural)) = table.label() {
+            let l = label.name;
+            // Lookup: one attribute of one named row.
+            for column in table
+                .columns
+                .iter()
+                .filter(|c| matches!(c.kind, ColumnKind::Category(_) | ColumnKind::Number { .. }))
+            {
+                for v in &labels {
+                    draft(
+                        "lookup",
+                        1,
+                        format!(
+                            "What is the {} of the {} '{v}'?",
+                            column.phrase, table.singular
+                        ),
+                        format!("SELECT {} FROM {t} WHERE {l} = '{v}'", column.name),
+                        format!(
+                            "Read {} from {t} for the row whose {l} is '{v}'.",
+                            column.name
+                        ),
+                        vec![v.clone()],
+                        None,
+                    );
+                }
+            }
+            for (cat, values) in &categories {
+                let c = cat.name;
+                for v in values {
+                    draft(
+                        "filter_category",
+                        1,
+                        format!(
+                            "List the {label_plural} of {} whose {} is '{v}'.",
+                            table.plural, cat.phrase
+                        ),
+                        format!("SELECT {l} FROM {t} WHERE {c} = '{v}'"),
+                        format!("Select {l} from {t} where {c} is '{v}'."),
+                        vec![v.clone()],
+                        None,
+                    );
+                }
+                for (num, _, _) in &thresholds {
+                    let n = num.name;
+                    for (direction, word, reasoning_word) in [
+                        ("DESC", "highest", "descending"),
+                        ("ASC", "lowest", "ascending"),
+                    ] {
+                        for v in values {
+                            let filter = format!("FROM {t} WHERE {c} = '{v}'");
+                            draft(
+                                "order_limit",
+                                3,
+                                format!(
+                                    "Which {} whose {} is '{v}' has the {word} {}?",
+                                    table.singular, cat.phrase, num.phrase
+                                ),
+                                format!("SELECT {l} {filter} ORDER BY {n} {direction} LIMIT 1"),
+                                format!(
+                                    "Filter {t} on {c} = '{v}', sort by {n} {reasoning_word} \
+                                     and keep the first {l}."
+                                ),
+                                vec![v.clone()],
+                                Some(format!(
+                                    "SELECT {n} {filter} ORDER BY {n} {direction} LIMIT 2"
+                                )),
+                            );
+                        }
+                    }
+                }
+            }
+            for (num, _, values) in &thresholds {
+                let n = num.name;
+                for x in values {
+                    draft(
+                        "filter_number",
+                        2,
+                        format!(
+                            "List the {label_plural} of {} with {} greater than {x}.",
+                            table.plural, num.phrase
+                        ),
+                        format!("SELECT {l} FROM {t} WHERE {n} > {x}"),
+                        format!("Select {l} from {t} where {n} > {x}."),
+                        vec![x.to_string()],
+                        None,
+                    );
+                }
+            }
+        }
+
+        for (cat, values) in &categories {
+            let c = cat.name;
+            for v in values {
+                draft(
+                    "count",
+                    2,
+                    format!("How many {} have {} '{v}'?", table.plural, cat.phrase),
+                    format!("SELECT COUNT(*) FROM {t} WHERE {c} = '{v}'"),
+                    format!("Count the rows of {t} where {c} is '{v}'."),
+                    vec![v.clone()],
+                    None,
+                );
+                for (num, total, _) in &thresholds {
+                    let n = num.name;
+                    for &(function, word) in aggregates(*total) {
+                        draft(
+                            "aggregate",
+                            3,
+                            format!(
+                                "What is the {word} {} of {} whose {} is '{v}'?",
+                                num.phrase, table.plural, cat.phrase
+                            ),
+                            format!("SELECT {function}({n}) FROM {t} WHERE {c} = '{v}'"),
+                            format!(
+                                "Take {function} of {n} over the rows of {t} where {c} is '{v}'."
+                            ),
+                            vec![v.clone()],
+                            None,
+                        );
+                    }
+                }
+            }
+            for (num, _, xs) in &thresholds {
+                let n = num.name;
+                for x in xs {
+                    draft(
+                        "group_by",
+                        3,
+                        format!(
+                            "For each {}, how many {} have {} greater than {x}?",
+                            cat.phrase, table.plural, num.phrase
+                        ),
+                        format!("SELECT {c}, COUNT(*) FROM {t} WHERE {n} > {x} GROUP BY {c}"),
+                        format!("Filter {t} on {n} > {x}, group by {c} and count the rows."),
+                        vec![x.to_string()],
+                        None,
+                    );
+                }
+            }
+        }
+
+        // Joins from this table (the child) to the tables its foreign keys name.
+        for key in table.columns {
+            let ColumnKind::ForeignKey {
+                table: parent_name,
+                verb,
+            } = key.kind
+            else {
+                continue;
+            };
+            let parent = spec.table(parent_name);
+            let p = parent.name;
+            let join = format!("FROM {t} AS T1 JOIN {p} AS T2 ON T1.{} = T2.id", key.name);
+            if let Some((parent_label, _)) = parent.label() {
+                let pl = parent_label.name;
+                let parent_labels = distinct_text(conn, p, pl)?;
+                for v in &parent_labels {
+                    let subject = format!("{} {verb} the {} '{v}'", table.plural, parent.singular);
+                    let joined = format!("Join {t} to {p} on {}, keep {p}.{pl} = '{v}'", key.name);
+                    draft(
+                        "join_count",
+                        4,
+                        format!(
+                            "How many {} are {verb} the {} '{v}'?",
+                            table.plural, parent.singular
+                        ),
+                        format!("SELECT COUNT(*) {join} WHERE T2.{pl} = '{v}'"),
+                        format!("{joined} and count the rows."),
+                        vec![v.clone()],
+                        None,
+                    );
+                    if let Some((label, label_plural)) = table.label() {
+                        draft(
+                            "join_list",
+                            4,
+                            format!("List the {label_plural} of {subject}."),
+                            format!("SELECT T1.{} {join} WHERE T2.{pl} = '{v}'", label.name),
+                            format!("{joined} and select {t}.{}.", label.name),
+                            vec![v.clone()],
+                            None,
+                        );
+                    }
+                    for (num, total, _) in &thresholds {
+                        for &(function, word) in aggregates(*total) {
+                            draft(
+                                "join_aggregate",
+                                5,
+                                format!("What is the {word} {} of {subject}?", num.phrase),
+                                format!(
+                                    "SELECT {function}(T1.{}) {join} WHERE T2.{pl} = '{v}'",
+                                    num.name
+                                ),
+                                format!("{joined} and take {function} of {t}.{}.", num.name),
+                                vec![v.clone()],
+                                None,
+                            );
+                        }
+                    }
+                }
+            }
+            for cat in parent.categories() {
+                let c = cat.name;
+                for v in distinct_text(conn, p, c)? {
+                    draft(
+                        "join_filter",
+                        5,
+                        format!(
+                            "How many {} are {verb} {} whose {} is '{v}'?",
+                            table.plural, parent.plural, cat.phrase
+                        ),
+                        format!("SELECT COUNT(*) {join} WHERE T2.{c} = '{v}'"),
+                        format!(
+                            "Join {t} to {p} on {}, keep {p}.{c} = '{v}' and count the rows.",
+                            key.name
+                        ),
+                        vec![v.clone()],
+                        None,
+                    );
+                }
+            }
+        }
+    }
+
+    let mut kept = Vec::new();
+    for Draft {
+        question,
+        tie_check,
+    } in drafts
+    {
+        if informative(conn, &question.sql)? && unambiguous(conn, tie_check.as_deref())? {
+            kept.push(question);
+        }
+    }
+    Ok(kept)
+}
+
+fn aggregates(total: bool) -> &'static [(&'static str, &'static str)] {
+    const WITH_TOTAL: &[(&str, &str)] = &[
+        ("AVG", "average"),
+        ("MAX", "highest"),
+        ("MIN", "lowest"),
+        ("SUM", "total"),
+    ];
+    if total {
+        WITH_TOTAL
+    } else {
+        AGGREGATES
+    }
+}
+
+/// Six round thresholds spread inside `lo..=hi`.
+fn thresholds(lo: i64, hi: i64) -> Vec<i64> {
+    let span = hi - lo;
+    let step = 10i64.pow(((span as f64 / 10.0).log10().floor().max(0.0)) as u32);
+    let mut values: Vec<i64> = (1..=6)
+        .map(|k| {
+            let raw = lo + span * k / 7;
+            (raw + step / 2) / step * step
+        })
+        .collect();
+    values.dedup();
+    values
+}
+
+fn distinct_text(conn: &Connection, table: &str, column: &str) -> rusqlite::Result<Vec<String>> {
+    conn.prepare(&format!(
+        "SELECT DISTINCT {column} FROM {table} ORDER BY {column}"
+    ))?
+    .query_map([], |row| row.get(0))?
+    .collect()
+}
+
+/// Whether a gold query's answer tells a right query from a wrong one: at least one row, not
+/// all NULL, and not a lone zero count.
+fn informative(conn: &Connection, sql: &str) -> rusqlite::Result<bool> {
+    let mut stmt = conn.prepare(sql)?;
+    let width = stmt.column_count();
+    let rows: Vec<Vec<SqlValue>> = stmt
+        .query_map([], |row| (0..width).map(|i| row.get(i)).collect())?
+        .collect::<rusqlite::Result<_>>()?;
+    let all_null = rows.iter().flatten().all(|v| *v == SqlValue::Null);
+    let zero_count = rows.len() == 1 && rows[0] == [SqlValue::Integer(0)];
+    Ok(!rows.is_empty() && !all_null && !zero_count)
+}
+
+fn unambiguous(conn: &Connection, tie_check: Option<&str>) -> rusqlite::Result<bool> {
+    let Some(sql) = tie_check else {
+        return Ok(true);
+    };
+    let values: Vec<SqlValue> = conn
+        .prepare(sql)?
+        .query_map([], |row| row.get(0))?
+        .collect::<rusqlite::Result<_>>()?;
+    Ok(values.len() < 2 || values[0] != values[1])
+}
+
+/// A one-line summary of a generated task, for the CLI.
+pub fn summary(task: &SynthSql) -> String {
+    let mut by_difficulty: BTreeMap<u64, (usize, usize)> = BTreeMap::new();
+    for (split, rows) in [(0, &task.train), (1, &task.test)] {
+        for row in rows {
+            let d = row.extras["difficulty"].as_u64().unwrap_or(0);
+            let entry = by_difficulty.entry(d).or_default();
+            if split == 0 {
+                entry.0 += 1;
+            } else {
+                entry.1 += 1;
+            }
+        }
+    }
+    let mut out = format!(
+        "{} train rows ({} distinct questions), {} test rows ({} distinct); by difficulty \
+         (train/test):",
+        task.train.len(),
+        task.distinct_questions.0,
+        task.test.len(),
+        task.distinct_questions.1
+    );
+    for (d, (train, test)) in by_difficulty {
+        let _ = write!(out, " {d}: {train}/{test}");
+    }
+    out
+}
