@@ -5,7 +5,7 @@
 //! 1. databases are opened `SQLITE_OPEN_READ_ONLY` through the URI
 //!    `file:<path>?mode=ro&immutable=1` (no journal, WAL or lock files are created);
 //! 2. `PRAGMA query_only = 1`, and `SQLITE_LIMIT_ATTACHED` is 0 (no `ATTACH`, which also
-//!    stops `VACUUM INTO`);
+//!    stops `VACUUM INTO`); `SQLITE_LIMIT_LENGTH` caps one value at the result byte budget;
 //! 3. an authorizer allows only reads, functions other than `load_extension`, recursive CTEs
 //!    and introspection pragmas, and denies everything else (writes, DDL, `ATTACH`,
 //!    transactions, pragma assignments);
@@ -361,7 +361,7 @@ impl Sandbox {
             .and_then(Vec::pop);
         match pooled {
             Some(conn) => Ok(conn),
-            None => open_read_only(db),
+            None => open_read_only(db, self.config.max_bytes),
         }
     }
 
@@ -384,7 +384,7 @@ fn sqlite_error(err: rusqlite::Error) -> SqlError {
 }
 
 /// Opens `db` read-only and immutable with every sandbox layer installed.
-fn open_read_only(db: &Path) -> Result<Connection, SqlError> {
+fn open_read_only(db: &Path, max_bytes: usize) -> Result<Connection, SqlError> {
     let open_error = |err: rusqlite::Error| SqlError::Open {
         path: db.to_path_buf(),
         message: err.to_string(),
@@ -400,6 +400,11 @@ fn open_read_only(db: &Path) -> Result<Connection, SqlError> {
     conn.pragma_update(None, "query_only", 1)
         .map_err(open_error)?;
     conn.set_limit(Limit::SQLITE_LIMIT_ATTACHED, 0)
+        .map_err(open_error)?;
+    // One value may not exceed the result budget: `randomblob(1e9)` would otherwise
+    // allocate a gigabyte inside a single VM instruction, out of the deadline's reach.
+    let max_value = i32::try_from(max_bytes).unwrap_or(i32::MAX);
+    conn.set_limit(Limit::SQLITE_LIMIT_LENGTH, max_value)
         .map_err(open_error)?;
     conn.authorizer(Some(authorize)).map_err(open_error)?;
     Ok(conn)

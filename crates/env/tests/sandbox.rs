@@ -162,6 +162,11 @@ fn results_are_bounded_in_rows_and_bytes() {
             .unwrap_err(),
         SqlError::TooManyBytes(1000)
     );
+    // A single oversized value is refused inside SQLite, before it is allocated.
+    assert!(matches!(
+        by_bytes.query(&db, "SELECT length(randomblob(5000))"),
+        Err(SqlError::Sqlite(message)) if message.contains("too big")
+    ));
 }
 
 #[test]
