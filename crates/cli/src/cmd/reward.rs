@@ -139,12 +139,12 @@ fn text2sql(args: Text2SqlArgs) -> Result<()> {
     })?;
     let elapsed = start.elapsed();
     let outputs = rows.iter().zip(&scores).map(|(row, s)| {
-        json!({
-            "id": row.id,
-            "score": s.score,
-            "format_correct": s.format_correct,
-            "execution_success": s.execution_success,
-        })
+        json_line(&[
+            ("id", row.id.clone()),
+            ("score", json!(s.score)),
+            ("format_correct", json!(s.format_correct)),
+            ("execution_success", json!(s.execution_success)),
+        ])
     });
     write_jsonl(args.output.as_deref(), outputs)?;
     let n = scores.len().max(1) as f64;
@@ -195,7 +195,7 @@ fn gsm8k(args: Gsm8kArgs) -> Result<()> {
         args.output.as_deref(),
         rows.iter()
             .zip(&scores)
-            .map(|(row, &score)| json!({"id": row.id, "score": score})),
+            .map(|(row, &score)| json_line(&[("id", row.id.clone()), ("score", json!(score))])),
     )?;
     let n = scores.len().max(1) as f64;
     eprintln!(
@@ -226,7 +226,17 @@ fn read_jsonl<T>(path: &Path, parse: impl Fn(&Value) -> Result<T, String>) -> Re
     Ok(rows)
 }
 
-fn write_jsonl(output: Option<&Path>, rows: impl Iterator<Item = Value>) -> Result<()> {
+/// One JSON object with its keys in the given order (`json!` would sort them).
+fn json_line(fields: &[(&str, Value)]) -> String {
+    let body: Vec<String> = fields
+        .iter()
+        .map(|(key, value)| format!("{}:{value}", Value::from(*key)))
+        .collect();
+    format!("{{{}}}\n", body.join(","))
+}
+
+/// Writes the lines to `output` or stdout; a closed stdout (`| head`) ends output quietly.
+fn write_jsonl(output: Option<&Path>, lines: impl Iterator<Item = String>) -> Result<()> {
     let sink: Box<dyn Write> = match output {
         Some(path) => Box::new(
             File::create(path).with_context(|| format!("cannot create {}", path.display()))?,
@@ -234,10 +244,15 @@ fn write_jsonl(output: Option<&Path>, rows: impl Iterator<Item = Value>) -> Resu
         None => Box::new(std::io::stdout().lock()),
     };
     let mut writer = BufWriter::new(sink);
-    for row in rows {
-        serde_json::to_writer(&mut writer, &row)?;
-        writer.write_all(b"\n")?;
+    let written = lines
+        .map(|line| writer.write_all(line.as_bytes()))
+        .collect::<std::io::Result<()>>()
+        .and_then(|()| writer.flush());
+    match written {
+        Err(err) if err.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
+        other => other.with_context(|| match output {
+            Some(path) => format!("cannot write {}", path.display()),
+            None => "cannot write to stdout".to_string(),
+        }),
     }
-    writer.flush()?;
-    Ok(())
 }
