@@ -691,7 +691,7 @@ impl Config {
             toml::to_string_pretty(self).map_err(|err| ConfigError::Render(err.to_string()))?;
         let text = format!(
             "# Effective floe config of this run: the recipe, its overrides and every default.\n\
-             # Re-run it with `floe train {EFFECTIVE_CONFIG_FILE}`.\n\n{body}"
+             # Pass this file as the recipe to repeat the run.\n\n{body}"
         );
         let path = run_dir.join(EFFECTIVE_CONFIG_FILE);
         std::fs::write(&path, text).map_err(io_error(&path))?;
