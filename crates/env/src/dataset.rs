@@ -418,7 +418,7 @@ fn row_from_object(
     let mut ground_truth = None;
     // SkyRL's `reward_spec` wins over verl's `reward_model` when a file has both.
     for key in [REWARD_MODEL, REWARD_SPEC] {
-        if let Some(value) = object.remove(key) {
+        if let Some(value) = object.remove(key).filter(|v| !v.is_null()) {
             let spec = cx.object(key, value)?;
             if let Some(gt) = spec.get(GROUND_TRUTH).filter(|gt| !gt.is_null()) {
                 ground_truth = Some(gt.clone());

@@ -4,7 +4,8 @@
 //! function validates rows from parquet and JSONL alike. Writing goes the other way: an Arrow
 //! schema is inferred from the JSON values (objects become structs, arrays become lists), which
 //! is the layout pandas and pyarrow produce for the same data. A value whose type varies from row
-//! to row is stored as JSON text in a string column whose field carries [`JSON_TEXT_KEY`]
+//! to row (integers in some rows and fractions in others included, so that `2` does not come
+//! back as `2.0`) is stored as JSON text in a string column whose field carries [`JSON_TEXT_KEY`]
 //! metadata, so it still round-trips exactly.
 
 use std::collections::HashMap;
@@ -243,7 +244,6 @@ impl JsonType {
         use JsonType::*;
         match (self, other) {
             (Null, t) | (t, Null) => t,
-            (Int, Float) | (Float, Int) => Float,
             (List(a), List(b)) => List(Box::new(a.merge(*b))),
             (Struct(mut a), Struct(b)) => {
                 for (name, tb) in b {

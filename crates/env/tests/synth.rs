@@ -1,0 +1,160 @@
+//! The synthetic generators: deterministic, executable gold SQL, disjoint held-out values,
+//! short prompts, GSM8K-format math.
+
+use std::collections::HashSet;
+use std::path::Path;
+
+use floe_env::dataset::{load_rows, Row};
+use floe_env::synth_math;
+use floe_env::synth_sql::{generate, write_synth_sql, SynthSqlOptions};
+use rusqlite::Connection;
+
+fn options(seed: u64) -> SynthSqlOptions {
+    SynthSqlOptions {
+        seed,
+        train: 300,
+        test: 60,
+        ..Default::default()
+    }
+}
+
+fn read(path: &Path) -> Vec<u8> {
+    std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+#[test]
+fn synth_sql_is_deterministic_per_seed() {
+    let (a, b, c) = (
+        tempfile::tempdir().unwrap(),
+        tempfile::tempdir().unwrap(),
+        tempfile::tempdir().unwrap(),
+    );
+    write_synth_sql(a.path(), &options(5)).unwrap();
+    write_synth_sql(b.path(), &options(5)).unwrap();
+    write_synth_sql(c.path(), &options(6)).unwrap();
+    for split in ["train.parquet", "test.parquet"] {
+        assert_eq!(
+            read(&a.path().join(split)),
+            read(&b.path().join(split)),
+            "{split}"
+        );
+        assert_ne!(
+            read(&a.path().join(split)),
+            read(&c.path().join(split)),
+            "{split}"
+        );
+    }
+    let names: Vec<String> = std::fs::read_dir(a.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    for db in ["shop.sqlite", "school.sqlite", "library.sqlite"] {
+        assert!(names.iter().any(|n| n == db), "{db} missing from {names:?}");
+    }
+}
+
+fn constants(rows: &[Row]) -> HashSet<String> {
+    rows.iter()
+        .flat_map(|r| r.extra_info()["constants"].as_array().unwrap().clone())
+        .map(|v| v.as_str().unwrap().to_string())
+        .collect()
+}
+
+#[test]
+fn gold_sql_runs_and_test_values_are_held_out() {
+    let dir = tempfile::tempdir().unwrap();
+    let task = write_synth_sql(dir.path(), &options(1)).unwrap();
+    let train = load_rows(dir.path().join("train.parquet")).unwrap();
+    let test = load_rows(dir.path().join("test.parquet")).unwrap();
+    assert_eq!((train.len(), test.len()), (300, 60));
+    assert_eq!(train, task.train, "the parquet holds the generated rows");
+
+    for row in train.iter().chain(&test) {
+        let sql = row.ground_truth.as_ref().unwrap().as_str().unwrap();
+        let conn = Connection::open(row.db_path().unwrap()).unwrap();
+        let mut stmt = conn.prepare(sql).unwrap_or_else(|e| panic!("{sql}: {e}"));
+        let width = stmt.column_count();
+        let rows: Vec<Vec<rusqlite::types::Value>> = stmt
+            .query_map([], |r| (0..width).map(|i| r.get(i)).collect())
+            .unwrap()
+            .collect::<Result<_, _>>()
+            .unwrap();
+        assert!(!rows.is_empty(), "empty result for {sql}");
+        let question = &row.extra_info()["question"];
+        for constant in row.extra_info()["constants"].as_array().unwrap() {
+            let constant = constant.as_str().unwrap();
+            assert!(question.as_str().unwrap().contains(constant));
+            assert!(sql.contains(constant), "{sql} lacks {constant}");
+        }
+        let difficulty = row.extra_info()["difficulty"].as_u64().unwrap();
+        assert!((1..=5).contains(&difficulty));
+        let answer = row.extra_info()["reference_answer"].as_str().unwrap();
+        assert!(answer.starts_with("<think>\n") && answer.contains(&format!("```sql\n{sql}\n```")));
+    }
+
+    let (train_constants, test_constants) = (constants(&train), constants(&test));
+    assert!(!test_constants.is_empty());
+    let shared: Vec<_> = train_constants.intersection(&test_constants).collect();
+    assert!(shared.is_empty(), "constants in both splits: {shared:?}");
+
+    // Every template and difficulty shows up in both splits.
+    let templates = |rows: &[Row]| -> HashSet<String> {
+        rows.iter()
+            .map(|r| r.extra_info()["template"].as_str().unwrap().to_string())
+            .collect()
+    };
+    assert_eq!(templates(&train), templates(&test));
+    assert!(templates(&train).len() >= 10, "{:?}", templates(&train));
+}
+
+#[test]
+fn synth_sql_prompts_are_short() {
+    let dir = tempfile::tempdir().unwrap();
+    let task = generate(dir.path(), &options(2)).unwrap();
+    let longest = task
+        .train
+        .iter()
+        .chain(&task.test)
+        .map(|r| r.prompt.iter().map(|m| m.content.len()).sum::<usize>())
+        .max()
+        .unwrap();
+    // About four characters per token: a few hundred tokens.
+    assert!(longest < 2000, "longest prompt is {longest} characters");
+    let user = &task.train[0].prompt[1].content;
+    assert!(user.starts_with("Database Engine:\nSQLite\n\nDatabase Schema:\nCREATE TABLE "));
+}
+
+#[test]
+fn synth_math_is_deterministic_gsm8k_format() {
+    let a = synth_math::rows(3, 50);
+    assert_eq!(a, synth_math::rows(3, 50));
+    assert_ne!(a, synth_math::rows(4, 50));
+    let templates: HashSet<&str> = synth_math::problems(3, 200)
+        .iter()
+        .map(|p| p.template)
+        .collect();
+    assert_eq!(templates.len(), 6);
+    for row in &a {
+        assert_eq!(row.env_class.as_deref(), Some(floe_env::env::GSM8K));
+        assert_eq!(row.data_source, "synth_math");
+        let truth = row.ground_truth.as_ref().unwrap().as_str().unwrap();
+        let answer = row.extra_info()["answer"].as_str().unwrap();
+        assert!(answer.ends_with(&format!("#### {truth}")), "{answer}");
+        assert_eq!(
+            row.extras["reward_spec"]["ground_truth"].as_str(),
+            Some(truth)
+        );
+        assert!(truth.parse::<i64>().unwrap() >= 0);
+        assert!(row.prompt[0].content.ends_with(synth_math::INSTRUCTION));
+    }
+    // The gsm8k environment scores the worked answer as correct.
+    for row in &a {
+        let answer = row.extra_info()["answer"].as_str().unwrap();
+        let truth = row.ground_truth.as_ref().unwrap().as_str().unwrap();
+        assert_eq!(
+            floe_env::gsm8k::compute_score(answer, truth),
+            1.0,
+            "{answer}"
+        );
+    }
+}
