@@ -3,6 +3,9 @@
 #![deny(missing_docs)]
 
 pub mod config;
+pub mod engine;
+pub mod error;
+pub mod local;
 pub mod metrics;
 pub mod report;
 pub mod tensorboard;

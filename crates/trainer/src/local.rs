@@ -1,0 +1,865 @@
+//! [`LocalEngine`]: the [`Engine`] verbs in this process, on one device.
+//!
+//! One [`Policy`] holds the weights, their gradients and the AdamW moments; the
+//! [`Sampler`] generates from those very buffers (no second copy, no weight transfer);
+//! an optional frozen reference [`Transformer`] scores the KL term.
+//!
+//! Training calls pack their groups with [`pack_rollouts`] (each prompt once per
+//! micro-batch, shared as a prefix by its responses) under
+//! [`LocalEngineOptions::max_tokens_per_microbatch`], run the model per micro-batch and
+//! scatter the per-row outputs back to (group, response, token). The policy loss of every
+//! micro-batch is normalised by one [`GlobalNorm`] of the whole call, so how a call is
+//! split changes neither its loss nor its gradients (up to float summation order).
+//!
+//! [`AnyLocalEngine`] picks the backend from the configured device, so the RL loop holds
+//! one concrete type whatever the device.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use floe_backend::cpu::CpuBackend;
+use floe_backend::cuda::CudaBackend;
+use floe_backend::Backend;
+use floe_engine::policy::{OptimParams, Policy, StepOutcome, MODEL_DIR};
+use floe_engine::{
+    pack_rollouts, Generation, MicroBatch, PackingConfig, PackingMode, Response, RolloutGroup,
+    SampleRequest, Sampler, SamplerConfig,
+};
+use floe_model::batch::TokenStats;
+use floe_model::tokenizer::Tokenizer;
+use floe_model::transformer::{Result as ModelResult, Transformer};
+use floe_model::weights::{self, HostTensor, SaveDType};
+use floe_model::ModelConfig;
+use floe_rl::metrics::reduce_micro_batch_metrics;
+use floe_rl::{compute_policy_loss, AlgorithmConfig, GlobalNorm, LossInputs};
+
+use crate::config::{Config, Device};
+use crate::engine::{
+    Engine, EngineInfo, ForwardBackwardOutput, Loss, SequenceGroup, TokenOutputs, TrainGroup,
+    Weights,
+};
+use crate::error::{Error, Result};
+
+/// Sub-folder of a saved engine state holding the frozen reference model.
+const REFERENCE_DIR: &str = "reference";
+/// KV-cache budget when the device cannot report its memory (the CPU).
+const DEFAULT_HOST_KV_BYTES: usize = 512 << 20;
+/// Share of the usable free device memory given to the KV cache; the rest is left for
+/// training activations.
+const KV_SHARE_OF_FREE_MEMORY: f64 = 0.5;
+
+/// How a [`LocalEngine`] is sized.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LocalEngineOptions {
+    /// `cpu` or `cuda:N`.
+    pub device: Device,
+    /// CPU threads for the process-wide pool; 0 uses every core.
+    pub threads: usize,
+    /// Recompute each layer's activations in the backward (less memory, same results).
+    pub recompute: bool,
+    /// Most tokens in one training or scoring micro-batch.
+    pub max_tokens_per_microbatch: usize,
+    /// Bytes of KV cache; `None` derives it from `memory_fraction` of the device's free
+    /// memory (half of it; the rest is left for training), or 512 MiB on the CPU.
+    pub kv_cache_bytes: Option<usize>,
+    /// Fraction of the device's free memory the engine may use.
+    pub memory_fraction: f64,
+    /// Token slots per KV block.
+    pub block_size: usize,
+    /// Most tokens (prefill plus decode) in one sampler step.
+    pub max_tokens_per_step: usize,
+    /// Most samples generating at once.
+    pub max_running_seqs: usize,
+    /// Seed of sampling requests that bring none.
+    pub seed: u64,
+    /// Storage dtype of [`Engine::export_hf`].
+    pub export_dtype: SaveDType,
+}
+
+impl Default for LocalEngineOptions {
+    fn default() -> Self {
+        Self {
+            device: Device::Cpu,
+            threads: 0,
+            recompute: false,
+            max_tokens_per_microbatch: 4096,
+            kv_cache_bytes: None,
+            memory_fraction: 0.8,
+            block_size: 16,
+            max_tokens_per_step: 2048,
+            max_running_seqs: 256,
+            seed: 0,
+            export_dtype: SaveDType::BF16,
+        }
+    }
+}
+
+impl LocalEngineOptions {
+    /// The options a run's config implies. The micro-batch token budget is
+    /// `trainer.max_tokens_per_microbatch`, or, when that is `-1`,
+    /// `micro_train_batch_size_per_gpu` sequences of the longest length the run can
+    /// produce; either way at least one longest sequence, so every rollout fits.
+    pub fn from_config(config: &Config) -> Self {
+        let trainer = &config.trainer;
+        let generator = &config.generator;
+        let generate = generator
+            .sampling_params
+            .max_generate_length
+            .max(generator.eval_sampling_params.max_generate_length);
+        let longest = (trainer.max_prompt_length + generator.max_turns.max(1) * generate).max(
+            generator
+                .max_input_length
+                .map_or(0, |input| input + generate),
+        );
+        let budget = if trainer.max_tokens_per_microbatch > 0 {
+            trainer.max_tokens_per_microbatch as usize
+        } else {
+            trainer.micro_train_batch_size_per_gpu.max(1) * longest
+        };
+        Self {
+            device: config.engine.device,
+            threads: config.engine.threads,
+            recompute: config.engine.recompute,
+            max_tokens_per_microbatch: budget.max(longest),
+            memory_fraction: config.engine.memory_fraction,
+            seed: trainer.seed,
+            ..Self::default()
+        }
+    }
+}
+
+/// Where the initial weights come from.
+#[derive(Clone, Debug)]
+pub enum ModelSource {
+    /// A Hugging Face folder (`config.json` and safetensors).
+    Dir(PathBuf),
+    /// Normal(0, 0.02) weights of this shape from `seed` (tests, benchmarks, the
+    /// embedded model before its warm start).
+    Random {
+        /// The shape.
+        config: ModelConfig,
+        /// Seed of the weights.
+        seed: u64,
+    },
+    /// Weights already on the host.
+    Host {
+        /// The shape.
+        config: ModelConfig,
+        /// Tensors named as in [`floe_model::weights::tensor_specs`].
+        weights: BTreeMap<String, HostTensor>,
+    },
+}
+
+impl ModelSource {
+    fn load<B: Backend>(self, backend: Arc<B>) -> Result<Transformer<B>> {
+        Ok(match self {
+            ModelSource::Dir(dir) => {
+                let (config, host) = weights::load_model_dir(&dir)?;
+                Transformer::from_host_weights(backend, config, &host)?
+            }
+            ModelSource::Random { config, seed } => Transformer::new_random(backend, config, seed)?,
+            ModelSource::Host { config, weights } => {
+                Transformer::from_host_weights(backend, config, &weights)?
+            }
+        })
+    }
+}
+
+/// The [`Engine`] verbs in this process, over one backend; see the module docs.
+pub struct LocalEngine<B: Backend> {
+    info: EngineInfo,
+    options: LocalEngineOptions,
+    policy: Policy<B>,
+    reference: Option<Transformer<B>>,
+    sampler: Sampler<Transformer<B>>,
+    sampler_config: SamplerConfig,
+    tokenizer: Option<Arc<Tokenizer>>,
+}
+
+impl<B: Backend> LocalEngine<B> {
+    /// An engine over `backend` with the weights of `source`. The tokenizer, when given,
+    /// detokenizes for stop strings and is exported with the weights.
+    pub fn new(
+        backend: Arc<B>,
+        source: ModelSource,
+        tokenizer: Option<Tokenizer>,
+        options: LocalEngineOptions,
+    ) -> Result<Self> {
+        if options.max_tokens_per_microbatch == 0 {
+            return Err(Error::InvalidRequest(
+                "max_tokens_per_microbatch is 0; give a positive token budget".into(),
+            ));
+        }
+        let mut policy = Policy::new(source.load(backend)?);
+        policy.set_recompute(options.recompute);
+        let sampler_config = sampler_config(policy.model(), &options);
+        let tokenizer = tokenizer.map(Arc::new);
+        let sampler = new_sampler(policy.model(), &sampler_config, &tokenizer)?;
+        let info = engine_info(policy.model(), &options, &sampler_config);
+        Ok(Self {
+            info,
+            options,
+            policy,
+            reference: None,
+            sampler,
+            sampler_config,
+            tokenizer,
+        })
+    }
+
+    /// The policy: weights and optimizer state (benchmarks, export).
+    pub fn policy(&self) -> &Policy<B> {
+        &self.policy
+    }
+
+    /// The sampler's sizes.
+    pub fn sampler_config(&self) -> &SamplerConfig {
+        &self.sampler_config
+    }
+
+    /// The options the engine was built with.
+    pub fn options(&self) -> &LocalEngineOptions {
+        &self.options
+    }
+
+    fn packing(&self) -> PackingConfig {
+        PackingConfig {
+            max_tokens_per_microbatch: self.options.max_tokens_per_microbatch,
+            mode: PackingMode::Shared,
+        }
+    }
+
+    /// Rebuilds sampler and info after the model's shape may have changed.
+    fn resize_for_model(&mut self) -> Result<()> {
+        self.sampler_config = sampler_config(self.policy.model(), &self.options);
+        self.sampler = new_sampler(self.policy.model(), &self.sampler_config, &self.tokenizer)?;
+        self.info = engine_info(self.policy.model(), &self.options, &self.sampler_config);
+        Ok(())
+    }
+
+    fn check_tokens(&self, what: &str, tokens: &[u32]) -> Result<()> {
+        let vocab = self.info.vocab_size;
+        match tokens.iter().position(|&t| t as usize >= vocab) {
+            Some(i) => Err(Error::InvalidRequest(format!(
+                "{what} token {i} is {}, not below the vocabulary size {vocab}",
+                tokens[i]
+            ))),
+            None => Ok(()),
+        }
+    }
+
+    fn forward_backward_policy(
+        &mut self,
+        groups: &[TrainGroup],
+        config: &AlgorithmConfig,
+        logit_scale: f32,
+    ) -> Result<ForwardBackwardOutput> {
+        config.validate()?;
+        let with_rollout = check_train_groups(groups, config)?;
+        let mut masks = Vec::new();
+        let mut seq_lens = Vec::new();
+        let mut group_ids = Vec::new();
+        for (g, group) in groups.iter().enumerate() {
+            for response in &group.responses {
+                masks.extend_from_slice(&response.loss_mask);
+                seq_lens.push(response.tokens.len());
+                group_ids.push(g as u64);
+            }
+        }
+        let norm = GlobalNorm::of_mini_batch(&masks, &seq_lens, &group_ids);
+        let micro_batches = pack_rollouts(&rollout_groups(groups), self.packing())?;
+        let mut loss = 0.0;
+        let mut metrics = Vec::with_capacity(micro_batches.len());
+        for mb in &micro_batches {
+            let mut grad = |stats: &TokenStats| -> ModelResult<(Vec<f64>, Vec<f64>)> {
+                let inputs = MicroInputs::gather(groups, mb, &stats.logprobs, &stats.entropy);
+                let out = compute_policy_loss(
+                    config,
+                    &LossInputs {
+                        seq_lens: &inputs.seq_lens,
+                        group_ids: &inputs.group_ids,
+                        logprobs: &inputs.logprobs,
+                        old_logprobs: &inputs.old_logprobs,
+                        advantages: &inputs.advantages,
+                        loss_mask: &inputs.loss_mask,
+                        entropies: Some(&inputs.entropy),
+                        ref_logprobs: config.use_kl_loss.then_some(&inputs.ref_logprobs[..]),
+                        rollout_logprobs: with_rollout.then_some(&inputs.rollout_logprobs[..]),
+                    },
+                    &norm,
+                );
+                loss += out.loss;
+                metrics.push(out.metrics);
+                Ok((
+                    inputs.scatter(mb, &out.dlogprobs),
+                    inputs.scatter(mb, &out.dentropy),
+                ))
+            };
+            self.policy
+                .forward_backward(&mb.batch, logit_scale, &mut grad)?;
+        }
+        Ok(ForwardBackwardOutput {
+            loss,
+            metrics: reduce_micro_batch_metrics(&metrics),
+        })
+    }
+
+    fn forward_backward_cross_entropy(
+        &mut self,
+        groups: &[TrainGroup],
+        logit_scale: f32,
+    ) -> Result<ForwardBackwardOutput> {
+        for (g, group) in groups.iter().enumerate() {
+            for (r, response) in group.responses.iter().enumerate() {
+                check_len(
+                    g,
+                    r,
+                    "loss_mask",
+                    response.loss_mask.len(),
+                    response.tokens.len(),
+                )?;
+            }
+        }
+        let num_tokens: f64 = groups
+            .iter()
+            .flat_map(|g| &g.responses)
+            .flat_map(|r| &r.loss_mask)
+            .sum();
+        // Mean NLL over the call's masked tokens; an all-masked call has loss 0.
+        let weight = if num_tokens > 0.0 {
+            1.0 / num_tokens
+        } else {
+            0.0
+        };
+        let micro_batches = pack_rollouts(&rollout_groups(groups), self.packing())?;
+        let mut loss = 0.0;
+        for mb in &micro_batches {
+            let mut grad = |stats: &TokenStats| -> ModelResult<(Vec<f64>, Vec<f64>)> {
+                let mut d_logprobs = vec![0.0; mb.len()];
+                mb.for_each_scored_row(|row, token| {
+                    let response = &groups[token.group as usize].responses[token.response as usize];
+                    let w = weight * response.loss_mask[token.token as usize];
+                    loss -= w * stats.logprobs[row];
+                    d_logprobs[row] = -w;
+                });
+                Ok((d_logprobs, vec![0.0; mb.len()]))
+            };
+            self.policy
+                .forward_backward(&mb.batch, logit_scale, &mut grad)?;
+        }
+        let mut metrics = BTreeMap::new();
+        metrics.insert("sft/num_tokens".to_string(), num_tokens);
+        Ok(ForwardBackwardOutput { loss, metrics })
+    }
+}
+
+impl<B: Backend> Engine for LocalEngine<B> {
+    type Error = Error;
+
+    fn info(&self) -> &EngineInfo {
+        &self.info
+    }
+
+    fn sample(
+        &mut self,
+        requests: Vec<SampleRequest>,
+        on_generation: &mut dyn FnMut(Generation),
+    ) -> Result<()> {
+        let model = self.policy.model();
+        let mut result = requests
+            .into_iter()
+            .try_for_each(|request| self.sampler.submit(request));
+        if result.is_ok() {
+            result = self.sampler.run(model, on_generation);
+        }
+        if let Err(err) = result {
+            // Drop whatever the failed call left queued, so the next call starts clean.
+            self.sampler = new_sampler(model, &self.sampler_config, &self.tokenizer)?;
+            return Err(err.into());
+        }
+        Ok(())
+    }
+
+    fn forward(
+        &mut self,
+        groups: &[SequenceGroup],
+        weights: Weights,
+        temperature: f32,
+    ) -> Result<Vec<Vec<TokenOutputs>>> {
+        let logit_scale = logit_scale(temperature)?;
+        for (g, group) in groups.iter().enumerate() {
+            self.check_tokens(&format!("group {g} prompt"), &group.prompt)?;
+            for (r, response) in group.responses.iter().enumerate() {
+                self.check_tokens(&format!("group {g} response {r}"), response)?;
+            }
+        }
+        let model = match weights {
+            Weights::Policy => self.policy.model(),
+            Weights::Reference => self.reference.as_ref().ok_or(Error::NoReference)?,
+        };
+        let rollouts: Vec<RolloutGroup> = groups
+            .iter()
+            .map(|group| RolloutGroup {
+                prompt: group.prompt.clone(),
+                responses: group
+                    .responses
+                    .iter()
+                    .map(|tokens| Response {
+                        tokens: tokens.clone(),
+                        weights: vec![1.0; tokens.len()],
+                    })
+                    .collect(),
+            })
+            .collect();
+        let mut outputs: Vec<Vec<TokenOutputs>> = groups
+            .iter()
+            .map(|group| {
+                group
+                    .responses
+                    .iter()
+                    .map(|tokens| TokenOutputs {
+                        logprobs: vec![0.0; tokens.len()],
+                        entropy: vec![0.0; tokens.len()],
+                    })
+                    .collect()
+            })
+            .collect();
+        for mb in pack_rollouts(&rollouts, self.packing())? {
+            let stats = model.forward(&mb.batch, logit_scale)?;
+            mb.for_each_scored_row(|row, token| {
+                let out = &mut outputs[token.group as usize][token.response as usize];
+                out.logprobs[token.token as usize] = stats.logprobs[row];
+                out.entropy[token.token as usize] = stats.entropy[row];
+            });
+        }
+        Ok(outputs)
+    }
+
+    fn forward_backward(
+        &mut self,
+        groups: &[TrainGroup],
+        loss: &Loss,
+        temperature: f32,
+    ) -> Result<ForwardBackwardOutput> {
+        let logit_scale = logit_scale(temperature)?;
+        for (g, group) in groups.iter().enumerate() {
+            self.check_tokens(&format!("group {g} prompt"), &group.prompt)?;
+            for (r, response) in group.responses.iter().enumerate() {
+                self.check_tokens(&format!("group {g} response {r}"), &response.tokens)?;
+            }
+        }
+        match loss {
+            Loss::Policy(config) => self.forward_backward_policy(groups, config, logit_scale),
+            Loss::CrossEntropy => self.forward_backward_cross_entropy(groups, logit_scale),
+        }
+    }
+
+    fn optim_step(&mut self, params: &OptimParams) -> Result<StepOutcome> {
+        Ok(self.policy.optim_step(params)?)
+    }
+
+    /// A no-op that reports its own duration: the sampler runs the policy's own weight
+    /// buffers (on CUDA the optimizer writes the bf16 compute copy in the same kernel, on
+    /// the same stream), so the next sample already sees the latest step.
+    fn sync_sampler_weights(&mut self) -> Result<Duration> {
+        let start = Instant::now();
+        Ok(start.elapsed())
+    }
+
+    fn freeze_reference(&mut self) -> Result<()> {
+        let model = self.policy.model();
+        let host = model.to_host_weights()?;
+        let backend = Arc::clone(model.backend());
+        self.reference = Some(Transformer::from_host_weights(
+            backend,
+            model.config().clone(),
+            &host,
+        )?);
+        Ok(())
+    }
+
+    /// Writes the policy (f32 weights under `model/`, AdamW moments, step) and, when
+    /// frozen, the reference model as an f32 Hugging Face folder under `reference/`.
+    fn save_state(&mut self, dir: &Path) -> Result<()> {
+        self.policy.save(dir)?;
+        let reference_dir = dir.join(REFERENCE_DIR);
+        match &self.reference {
+            Some(reference) => weights::save_model_dir(
+                &reference_dir,
+                reference.config(),
+                &reference.to_host_weights()?,
+                SaveDType::F32,
+            )?,
+            None => remove_dir_if_present(&reference_dir)?,
+        }
+        Ok(())
+    }
+
+    /// Restores what [`Engine::save_state`] wrote: policy, optimizer state, step, and the
+    /// reference model exactly when one was saved. Gradients not yet applied are dropped.
+    fn load_state(&mut self, dir: &Path) -> Result<()> {
+        let backend = Arc::clone(self.policy.model().backend());
+        let mut policy = Policy::load(Arc::clone(&backend), dir)?;
+        policy.set_recompute(self.options.recompute);
+        let reference_dir = dir.join(REFERENCE_DIR);
+        let reference = if reference_dir.is_dir() {
+            let (config, host) = weights::load_model_dir(&reference_dir)?;
+            Some(Transformer::from_host_weights(backend, config, &host)?)
+        } else {
+            None
+        };
+        let reshaped = policy.model().config() != self.policy.model().config();
+        self.policy = policy;
+        self.reference = reference;
+        if reshaped {
+            self.resize_for_model()?;
+        }
+        Ok(())
+    }
+
+    fn export_hf(&mut self, dir: &Path) -> Result<()> {
+        let model = self.policy.model();
+        weights::save_model_dir(
+            dir,
+            model.config(),
+            &model.to_host_weights()?,
+            self.options.export_dtype,
+        )?;
+        if let Some(tokenizer) = &self.tokenizer {
+            tokenizer.save_dir(dir)?;
+        }
+        Ok(())
+    }
+}
+
+/// A [`LocalEngine`] on the backend the configured device names, so callers hold one
+/// type whatever the device.
+pub enum AnyLocalEngine {
+    /// The CPU reference backend (f32).
+    Cpu(LocalEngine<CpuBackend<f32>>),
+    /// A CUDA device.
+    Cuda(LocalEngine<CudaBackend>),
+}
+
+impl AnyLocalEngine {
+    /// Opens `options.device` and builds the engine on it. For the CPU, sets the
+    /// process-wide thread pool to `options.threads` unless one was set already. A CUDA
+    /// device in a build without the `cuda` feature is an [`Error::Device`] saying so.
+    pub fn open(
+        source: ModelSource,
+        tokenizer: Option<Tokenizer>,
+        options: LocalEngineOptions,
+    ) -> Result<Self> {
+        match options.device {
+            Device::Cpu => {
+                if options.threads > 0 {
+                    // Fails only when the pool already exists (set by an earlier engine or
+                    // by the caller); the existing pool is then used.
+                    let _ = rayon::ThreadPoolBuilder::new()
+                        .num_threads(options.threads)
+                        .build_global();
+                }
+                let backend = Arc::new(CpuBackend::<f32>::new());
+                Ok(Self::Cpu(LocalEngine::new(
+                    backend, source, tokenizer, options,
+                )?))
+            }
+            Device::Cuda(ordinal) => {
+                let backend = CudaBackend::new(ordinal).map_err(|source| Error::Device {
+                    device: options.device.to_string(),
+                    source,
+                })?;
+                Ok(Self::Cuda(LocalEngine::new(
+                    Arc::new(backend),
+                    source,
+                    tokenizer,
+                    options,
+                )?))
+            }
+        }
+    }
+}
+
+/// Forwards a verb to the engine inside an [`AnyLocalEngine`].
+macro_rules! dispatch {
+    ($self:ident, $engine:ident => $call:expr) => {
+        match $self {
+            AnyLocalEngine::Cpu($engine) => $call,
+            AnyLocalEngine::Cuda($engine) => $call,
+        }
+    };
+}
+
+impl Engine for AnyLocalEngine {
+    type Error = Error;
+
+    fn info(&self) -> &EngineInfo {
+        dispatch!(self, e => e.info())
+    }
+
+    fn sample(
+        &mut self,
+        requests: Vec<SampleRequest>,
+        on_generation: &mut dyn FnMut(Generation),
+    ) -> Result<()> {
+        dispatch!(self, e => e.sample(requests, on_generation))
+    }
+
+    fn forward(
+        &mut self,
+        groups: &[SequenceGroup],
+        weights: Weights,
+        temperature: f32,
+    ) -> Result<Vec<Vec<TokenOutputs>>> {
+        dispatch!(self, e => e.forward(groups, weights, temperature))
+    }
+
+    fn forward_backward(
+        &mut self,
+        groups: &[TrainGroup],
+        loss: &Loss,
+        temperature: f32,
+    ) -> Result<ForwardBackwardOutput> {
+        dispatch!(self, e => e.forward_backward(groups, loss, temperature))
+    }
+
+    fn optim_step(&mut self, params: &OptimParams) -> Result<StepOutcome> {
+        dispatch!(self, e => e.optim_step(params))
+    }
+
+    fn sync_sampler_weights(&mut self) -> Result<Duration> {
+        dispatch!(self, e => e.sync_sampler_weights())
+    }
+
+    fn freeze_reference(&mut self) -> Result<()> {
+        dispatch!(self, e => e.freeze_reference())
+    }
+
+    fn save_state(&mut self, dir: &Path) -> Result<()> {
+        dispatch!(self, e => e.save_state(dir))
+    }
+
+    fn load_state(&mut self, dir: &Path) -> Result<()> {
+        dispatch!(self, e => e.load_state(dir))
+    }
+
+    fn export_hf(&mut self, dir: &Path) -> Result<()> {
+        dispatch!(self, e => e.export_hf(dir))
+    }
+}
+
+/// The per-token inputs of one micro-batch's responses, in packing order.
+#[derive(Default)]
+struct MicroInputs {
+    seq_lens: Vec<usize>,
+    group_ids: Vec<u64>,
+    logprobs: Vec<f64>,
+    entropy: Vec<f64>,
+    old_logprobs: Vec<f64>,
+    advantages: Vec<f64>,
+    loss_mask: Vec<f64>,
+    ref_logprobs: Vec<f64>,
+    rollout_logprobs: Vec<f64>,
+}
+
+impl MicroInputs {
+    /// Reads the model's per-row outputs and the caller's per-token inputs of every
+    /// response of `mb`, response after response. Optional inputs are read when present
+    /// (the checks before packing make them all-or-none where the loss needs them).
+    fn gather(groups: &[TrainGroup], mb: &MicroBatch, logprobs: &[f64], entropy: &[f64]) -> Self {
+        let mut inputs = Self::default();
+        for rows in &mb.responses {
+            let response = &groups[rows.group as usize].responses[rows.response as usize];
+            let scored = rows.first_row as usize..(rows.first_row + rows.len) as usize;
+            inputs.seq_lens.push(rows.len as usize);
+            inputs.group_ids.push(u64::from(rows.group));
+            inputs.logprobs.extend_from_slice(&logprobs[scored.clone()]);
+            inputs.entropy.extend_from_slice(&entropy[scored]);
+            inputs
+                .old_logprobs
+                .extend_from_slice(&response.old_logprobs);
+            inputs.advantages.extend_from_slice(&response.advantages);
+            inputs.loss_mask.extend_from_slice(&response.loss_mask);
+            if let Some(reference) = &response.ref_logprobs {
+                inputs.ref_logprobs.extend_from_slice(reference);
+            }
+            if let Some(rollout) = &response.rollout_logprobs {
+                inputs.rollout_logprobs.extend_from_slice(rollout);
+            }
+        }
+        inputs
+    }
+
+    /// Per-token values (in [`MicroInputs::gather`] order) back to the micro-batch's rows.
+    fn scatter(&self, mb: &MicroBatch, per_token: &[f64]) -> Vec<f64> {
+        let mut rows = vec![0.0; mb.len()];
+        let mut at = 0;
+        for response in &mb.responses {
+            let len = response.len as usize;
+            let first = response.first_row as usize;
+            rows[first..first + len].copy_from_slice(&per_token[at..at + len]);
+            at += len;
+        }
+        rows
+    }
+}
+
+/// Checks the per-token inputs of a policy-loss call; returns whether the sampler's
+/// log-probs are given (for every response, or for none).
+fn check_train_groups(groups: &[TrainGroup], config: &AlgorithmConfig) -> Result<bool> {
+    let mut with_rollout = None;
+    for (g, group) in groups.iter().enumerate() {
+        for (r, response) in group.responses.iter().enumerate() {
+            let n = response.tokens.len();
+            check_len(g, r, "loss_mask", response.loss_mask.len(), n)?;
+            check_len(g, r, "advantages", response.advantages.len(), n)?;
+            check_len(g, r, "old_logprobs", response.old_logprobs.len(), n)?;
+            match (&response.ref_logprobs, config.use_kl_loss) {
+                (Some(reference), _) => check_len(g, r, "ref_logprobs", reference.len(), n)?,
+                (None, true) => {
+                    return Err(Error::InvalidRequest(format!(
+                        "group {g} response {r}: ref_logprobs are missing and use_kl_loss is set"
+                    )))
+                }
+                (None, false) => {}
+            }
+            if let Some(rollout) = &response.rollout_logprobs {
+                check_len(g, r, "rollout_logprobs", rollout.len(), n)?;
+            }
+            let has = response.rollout_logprobs.is_some();
+            if *with_rollout.get_or_insert(has) != has {
+                return Err(Error::InvalidRequest(format!(
+                    "group {g} response {r}: rollout_logprobs must be given for every response \
+                     of a call or for none"
+                )));
+            }
+        }
+    }
+    Ok(with_rollout.unwrap_or(false))
+}
+
+fn check_len(group: usize, response: usize, what: &str, len: usize, tokens: usize) -> Result<()> {
+    if len == tokens {
+        return Ok(());
+    }
+    Err(Error::InvalidRequest(format!(
+        "group {group} response {response}: {what} has {len} values for {tokens} tokens"
+    )))
+}
+
+/// The training groups as packing input; the packer's weights are unused (the losses
+/// read the masks themselves).
+fn rollout_groups(groups: &[TrainGroup]) -> Vec<RolloutGroup> {
+    groups
+        .iter()
+        .map(|group| RolloutGroup {
+            prompt: group.prompt.clone(),
+            responses: group
+                .responses
+                .iter()
+                .map(|response| Response {
+                    tokens: response.tokens.clone(),
+                    weights: vec![1.0; response.tokens.len()],
+                })
+                .collect(),
+        })
+        .collect()
+}
+
+/// `1 / temperature`; temperature 0 (greedy) scores at temperature 1, the temperature
+/// the sampler reports greedy log-probs at.
+fn logit_scale(temperature: f32) -> Result<f32> {
+    if !(temperature.is_finite() && temperature >= 0.0) {
+        return Err(Error::InvalidRequest(format!(
+            "temperature {temperature} must be finite and non-negative"
+        )));
+    }
+    Ok(if temperature == 0.0 {
+        1.0
+    } else {
+        1.0 / temperature
+    })
+}
+
+/// Sampler sizes: the KV blocks a byte budget buys, never more than the running
+/// sequences could fill at the model's longest context.
+fn sampler_config<B: Backend>(
+    model: &Transformer<B>,
+    options: &LocalEngineOptions,
+) -> SamplerConfig {
+    let bytes = options
+        .kv_cache_bytes
+        .unwrap_or_else(|| match model.backend().memory_info() {
+            Some((free, _total)) => {
+                (free as f64 * options.memory_fraction * KV_SHARE_OF_FREE_MEMORY) as usize
+            }
+            None => DEFAULT_HOST_KV_BYTES,
+        });
+    let block_size = options.block_size.max(1);
+    let per_block = model.kv_cache_bytes_per_block(block_size).max(1);
+    let longest = model.config().max_position_embeddings.max(1);
+    let most_useful = options.max_running_seqs.max(1) * longest.div_ceil(block_size);
+    SamplerConfig {
+        num_blocks: (bytes / per_block).clamp(1, most_useful),
+        block_size,
+        max_tokens_per_step: options.max_tokens_per_step.max(1),
+        max_running_seqs: options.max_running_seqs.max(1),
+        seed: options.seed,
+    }
+}
+
+fn new_sampler<B: Backend>(
+    model: &Transformer<B>,
+    config: &SamplerConfig,
+    tokenizer: &Option<Arc<Tokenizer>>,
+) -> Result<Sampler<Transformer<B>>> {
+    let sampler = Sampler::new(model, config.clone())?;
+    Ok(match tokenizer {
+        Some(tokenizer) => {
+            let tokenizer = Arc::clone(tokenizer);
+            // Stop strings match the text a user would read: special tokens skipped, as
+            // vLLM detokenizes by default.
+            sampler.with_detokenizer(Box::new(move |ids: &[u32]| {
+                tokenizer.decode(ids, true).unwrap_or_default()
+            }))
+        }
+        None => sampler,
+    })
+}
+
+fn engine_info<B: Backend>(
+    model: &Transformer<B>,
+    options: &LocalEngineOptions,
+    sampler: &SamplerConfig,
+) -> EngineInfo {
+    let config = model.config();
+    let cache_tokens = sampler.num_blocks * sampler.block_size;
+    EngineInfo {
+        device: model.backend().name(),
+        vocab_size: config.vocab_size,
+        // A whole sequence must fit the model's positions, the KV cache and (its prompt
+        // counted once, less one token) a training micro-batch.
+        max_seq_len: config
+            .max_position_embeddings
+            .min(cache_tokens)
+            .min(options.max_tokens_per_microbatch + 1),
+    }
+}
+
+fn remove_dir_if_present(dir: &Path) -> Result<()> {
+    match std::fs::remove_dir_all(dir) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(Error::Io {
+            path: dir.to_path_buf(),
+            source: e,
+        }),
+        _ => Ok(()),
+    }
+}
+
+/// The sub-folder of a saved engine state that holds the policy's weights as an f32
+/// Hugging Face folder (what `floe export` reads).
+pub fn saved_model_dir(state_dir: &Path) -> PathBuf {
+    state_dir.join(MODEL_DIR)
+}

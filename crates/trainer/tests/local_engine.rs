@@ -1,0 +1,306 @@
+//! LocalEngine on the CPU with a tiny random Qwen3: scoring agrees with sampling, the
+//! micro-batch split does not change a step, first-update PPO metrics are exact, SFT
+//! learns, and a saved state resumes exactly.
+
+use std::collections::BTreeMap;
+
+use floe_engine::policy::OptimParams;
+use floe_engine::{SampleRequest, SamplingParams};
+use floe_model::weights::HostTensor;
+use floe_model::{Architecture, ModelConfig};
+use floe_rl::AlgorithmConfig;
+use floe_trainer::engine::{
+    Engine, Loss, SequenceGroup, TokenOutputs, TrainGroup, TrainResponse, Weights,
+};
+use floe_trainer::local::{AnyLocalEngine, LocalEngineOptions, ModelSource};
+
+fn tiny_config() -> ModelConfig {
+    ModelConfig {
+        architecture: Architecture::Qwen3,
+        vocab_size: 64,
+        hidden_size: 32,
+        intermediate_size: 48,
+        num_hidden_layers: 2,
+        num_attention_heads: 4,
+        num_key_value_heads: 2,
+        head_dim: 8,
+        rms_norm_eps: 1e-6,
+        rope_theta: 10000.0,
+        rope_scaling: None,
+        max_position_embeddings: 128,
+        tie_word_embeddings: true,
+        attention_bias: false,
+        qk_norm: true,
+        bos_token_id: None,
+        eos_token_ids: vec![1],
+    }
+}
+
+fn engine(max_tokens_per_microbatch: usize, seed: u64) -> AnyLocalEngine {
+    let options = LocalEngineOptions {
+        max_tokens_per_microbatch,
+        kv_cache_bytes: Some(4 << 20),
+        ..LocalEngineOptions::default()
+    };
+    let source = ModelSource::Random {
+        config: tiny_config(),
+        seed,
+    };
+    AnyLocalEngine::open(source, None, options).unwrap()
+}
+
+fn weights(engine: &AnyLocalEngine) -> BTreeMap<String, HostTensor> {
+    match engine {
+        AnyLocalEngine::Cpu(e) => e.policy().model().to_host_weights().unwrap(),
+        AnyLocalEngine::Cuda(_) => unreachable!("the tests run on the CPU"),
+    }
+}
+
+const OPTIM: OptimParams = OptimParams {
+    lr: 1e-3,
+    beta1: 0.9,
+    beta2: 0.999,
+    eps: 1e-8,
+    weight_decay: 0.01,
+    max_grad_norm: 1.0,
+};
+
+/// Deterministic pseudo-random tokens in `2..vocab`.
+fn tokens(seed: u64, len: usize) -> Vec<u32> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            2 + (x % 62) as u32
+        })
+        .collect()
+}
+
+/// Three groups with prompts of different lengths and responses of 1 to 9 tokens.
+fn sequence_groups() -> Vec<SequenceGroup> {
+    (0..3u64)
+        .map(|g| SequenceGroup {
+            prompt: tokens(100 + g, 5 + 3 * g as usize),
+            responses: (0..3u64)
+                .map(|r| tokens(10 * g + r, 1 + ((3 * g + 2 * r) % 9) as usize))
+                .collect(),
+        })
+        .collect()
+}
+
+/// Training groups over [`sequence_groups`] with `old_logprobs` from `scored`, varied
+/// advantages and a mask that leaves out some tokens.
+fn train_groups(groups: &[SequenceGroup], scored: &[Vec<TokenOutputs>]) -> Vec<TrainGroup> {
+    groups
+        .iter()
+        .zip(scored)
+        .enumerate()
+        .map(|(g, (group, outputs))| TrainGroup {
+            prompt: group.prompt.clone(),
+            responses: group
+                .responses
+                .iter()
+                .zip(outputs)
+                .enumerate()
+                .map(|(r, (tokens, out))| TrainResponse {
+                    tokens: tokens.clone(),
+                    loss_mask: (0..tokens.len())
+                        .map(|i| if (i + r) % 4 == 3 { 0.0 } else { 1.0 })
+                        .collect(),
+                    advantages: vec![(g as f64 - 1.0) + 0.5 * r as f64 - 0.4; tokens.len()],
+                    old_logprobs: out.logprobs.clone(),
+                    rollout_logprobs: None,
+                    ref_logprobs: None,
+                })
+                .collect(),
+        })
+        .collect()
+}
+
+fn policy_loss() -> Loss {
+    Loss::Policy(AlgorithmConfig {
+        use_kl_loss: false,
+        ..AlgorithmConfig::default()
+    })
+}
+
+#[test]
+fn forward_logprobs_equal_the_samplers() {
+    let mut engine = engine(4096, 1);
+    let temperature = 0.7;
+    let prompts = [tokens(1, 7), tokens(2, 20)];
+    let requests = prompts
+        .iter()
+        .enumerate()
+        .map(|(id, prompt)| SampleRequest {
+            id: id as u64,
+            prompt: prompt.clone(),
+            n: 2,
+            params: SamplingParams {
+                temperature,
+                max_new_tokens: 12,
+                seed: Some(5),
+                force_full_length: true,
+                ..SamplingParams::default()
+            },
+        })
+        .collect();
+    let mut generations = Vec::new();
+    engine
+        .sample(requests, &mut |generation| generations.push(generation))
+        .unwrap();
+    assert_eq!(generations.len(), 4);
+    generations.sort_by_key(|g| (g.request_id, g.sample_index));
+    let groups: Vec<SequenceGroup> = prompts
+        .iter()
+        .enumerate()
+        .map(|(id, prompt)| SequenceGroup {
+            prompt: prompt.clone(),
+            responses: generations
+                .iter()
+                .filter(|g| g.request_id == id as u64)
+                .map(|g| g.tokens.clone())
+                .collect(),
+        })
+        .collect();
+    let scored = engine.forward(&groups, Weights::Policy, temperature).unwrap();
+    for generation in &generations {
+        let out = &scored[generation.request_id as usize][generation.sample_index];
+        assert_eq!(out.logprobs.len(), generation.tokens.len());
+        for (i, (&sampled, &forward)) in generation.logprobs.iter().zip(&out.logprobs).enumerate() {
+            assert!(
+                (f64::from(sampled) - forward).abs() <= 1e-4,
+                "request {} sample {} token {i}: sampler {sampled}, forward {forward}",
+                generation.request_id,
+                generation.sample_index
+            );
+        }
+    }
+}
+
+#[test]
+fn micro_batch_split_does_not_change_the_step() {
+    let groups = sequence_groups();
+    let mut whole = engine(4096, 2);
+    // Group 2 needs 10 + 7 + 9 + 3 = 29 tokens with its prompt once, so it is split.
+    let mut split = engine(20, 2);
+    let scored = whole.forward(&groups, Weights::Policy, 1.0).unwrap();
+    // Products over a different number of rows may round differently in the last bits.
+    let split_scored = split.forward(&groups, Weights::Policy, 1.0).unwrap();
+    for (a, b) in scored.iter().flatten().zip(split_scored.iter().flatten()) {
+        for (x, y) in a.logprobs.iter().zip(&b.logprobs) {
+            assert!((x - y).abs() <= 1e-5, "{x} vs {y}");
+        }
+    }
+    let train = train_groups(&groups, &scored);
+    let a = whole.forward_backward(&train, &policy_loss(), 1.0).unwrap();
+    let b = split.forward_backward(&train, &policy_loss(), 1.0).unwrap();
+    assert!((a.loss - b.loss).abs() <= 1e-12, "{} vs {}", a.loss, b.loss);
+    let step_a = whole.optim_step(&OPTIM).unwrap();
+    let step_b = split.optim_step(&OPTIM).unwrap();
+    assert!(step_a.grad_norm > 0.0);
+    let rel = (step_a.grad_norm - step_b.grad_norm).abs() / step_a.grad_norm;
+    assert!(rel <= 1e-5, "grad norms {} vs {}", step_a.grad_norm, step_b.grad_norm);
+    // Gradients sum in a different order, so f32 weights may differ in the last bits.
+    for ((name, wa), (_, wb)) in weights(&whole).iter().zip(&weights(&split)) {
+        for (x, y) in wa.data.iter().zip(&wb.data) {
+            assert!((x - y).abs() <= 1e-6, "{name}: {x} vs {y}");
+        }
+    }
+}
+
+#[test]
+fn first_update_has_zero_ppo_kl_and_clipfrac() {
+    let groups = sequence_groups();
+    let mut engine = engine(20, 3);
+    let scored = engine.forward(&groups, Weights::Policy, 1.0).unwrap();
+    let out = engine
+        .forward_backward(&train_groups(&groups, &scored), &policy_loss(), 1.0)
+        .unwrap();
+    assert_eq!(out.metrics["policy/ppo_kl"], 0.0);
+    assert_eq!(out.metrics["policy/clipfrac"], 0.0);
+}
+
+#[test]
+fn sft_steps_lower_the_cross_entropy() {
+    let groups = sequence_groups();
+    let mut engine = engine(4096, 4);
+    let scored = engine.forward(&groups, Weights::Policy, 1.0).unwrap();
+    let train = train_groups(&groups, &scored);
+    let optim = OptimParams { lr: 1e-2, ..OPTIM };
+    let mut losses = Vec::new();
+    for _ in 0..5 {
+        let out = engine
+            .forward_backward(&train, &Loss::CrossEntropy, 1.0)
+            .unwrap();
+        losses.push(out.loss);
+        engine.optim_step(&optim).unwrap();
+    }
+    // Random weights start near ln(64) ≈ 4.16 nats per token.
+    assert!((losses[0] - 64f64.ln()).abs() < 0.5, "{losses:?}");
+    assert!(losses[4] < losses[0] - 0.3, "{losses:?}");
+}
+
+#[test]
+fn saved_state_resumes_identically() {
+    let groups = sequence_groups();
+    let mut straight = engine(4096, 5);
+    straight.freeze_reference().unwrap();
+    let scored = straight.forward(&groups, Weights::Policy, 1.0).unwrap();
+    let train = train_groups(&groups, &scored);
+    straight
+        .forward_backward(&train, &policy_loss(), 1.0)
+        .unwrap();
+    straight.optim_step(&OPTIM).unwrap();
+
+    let dir = tempfile::tempdir().unwrap();
+    straight.save_state(dir.path()).unwrap();
+    let mut resumed = engine(4096, 99);
+    resumed.load_state(dir.path()).unwrap();
+    assert_eq!(weights(&resumed), weights(&straight));
+    assert_eq!(
+        resumed.forward(&groups, Weights::Reference, 1.0).unwrap(),
+        straight.forward(&groups, Weights::Reference, 1.0).unwrap()
+    );
+
+    for engine in [&mut straight, &mut resumed] {
+        engine
+            .forward_backward(&train, &policy_loss(), 1.0)
+            .unwrap();
+        engine.optim_step(&OPTIM).unwrap();
+    }
+    assert_eq!(weights(&resumed), weights(&straight));
+}
+
+#[test]
+fn bad_requests_name_what_is_wrong() {
+    let mut engine = engine(4096, 6);
+    let groups = vec![SequenceGroup {
+        prompt: vec![2, 3],
+        responses: vec![vec![4, 500]],
+    }];
+    let err = engine
+        .forward(&groups, Weights::Policy, 1.0)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("group 0 response 0") && err.contains("500"), "{err}");
+    let err = engine
+        .forward(&sequence_groups(), Weights::Reference, 1.0)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("freeze_reference"), "{err}");
+    let mut train = train_groups(
+        &sequence_groups(),
+        &engine
+            .forward(&sequence_groups(), Weights::Policy, 1.0)
+            .unwrap(),
+    );
+    train[1].responses[2].advantages.pop();
+    let err = engine
+        .forward_backward(&train, &policy_loss(), 1.0)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("group 1 response 2: advantages"), "{err}");
+}
