@@ -101,6 +101,18 @@ pub struct ForwardBackwardOutput {
 
 /// The verbs the RL loop uses. Gradients accumulate across `forward_backward` calls
 /// until `optim_step`.
+///
+/// Notes for callers (the local engine, `crate::local::LocalEngine`, behaves so):
+/// - `temperature` of `forward` and `forward_backward` is the sampling temperature
+///   (log-probs of `softmax(logits / temperature)`); 0 (greedy) scores at temperature 1,
+///   the temperature the sampler reports greedy log-probs at.
+/// - A call's groups are packed into micro-batches by token count; scores of the same
+///   groups are bit-identical only under the same packing. For PPO's
+///   `policy/ppo_kl == 0` on the first update, compute `old_logprobs` with `forward`
+///   over exactly the groups of the `forward_backward` call; a different grouping can
+///   differ by float rounding (about 1e-6).
+/// - `save_state` also saves the frozen reference, and `load_state` restores it exactly
+///   when one was saved.
 pub trait Engine {
     /// The error of every verb.
     type Error: std::error::Error + Send + Sync + 'static;
