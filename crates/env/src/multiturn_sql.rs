@@ -11,6 +11,12 @@
 //! The final reward is computed on the concatenation of every assistant turn and observation:
 //! −1 if the format is wrong (see [`extract_solution`]), else 1 if the solution's result set
 //! equals the gold result set (30 s deadline each, no LIMIT added), else 0.
+//!
+//! Differences from the reference: the observation table lists distinct rows in the order
+//! SQLite returned them (the reference prints a `frozenset`, whose order is Python's hash
+//! order) with pandas-like right-aligned columns; text after `</sql>` in a turn is ignored
+//! rather than asserted against (generation should stop on `</sql>` and `</solution>`); and
+//! writes fail in the read-only sandbox instead of being rolled back.
 
 use std::collections::{BTreeMap, HashSet};
 use std::path::{Path, PathBuf};

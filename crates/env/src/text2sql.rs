@@ -15,6 +15,15 @@
 //!    truth): equal → 1.0, different → 0.1, gold failed → 0.0; the best gold wins. A failed or
 //!    timed-out prediction, no SQL, or no `db_path` scores 0.0.
 //! 5. **Format bonus**: when the format is correct, `score = max(score, 0.1)`.
+//!
+//! Where the reference's prose leaves a detail open, this follows Arctic's own
+//! `parse_response` (`` ```sql\s*(.*?)\s*``` ``, case-sensitive, so ```` ```sqlite ```` is
+//! a prefix match), and the ```` ```json ```` step is reachable because step 2 skips `json`
+//! fences. Execution follows Python `sqlite3` (see [`crate::sandbox`]). Known differences,
+//! none reachable by a plain `SELECT`: the sandbox refuses writes, `ATTACH` and pragma
+//! assignments outright (the reference's read-only connection refuses writes too, but could
+//! `ATTACH` an existing file); results over 1 000 000 rows or 256 MiB fail; the SQLite
+//! version is rusqlite's bundled one, not Python's.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
