@@ -558,7 +558,10 @@ fn column_order(objects: &[Map<String, Value>]) -> Vec<String> {
         .collect()
 }
 
-fn read_parquet_objects(path: &Path) -> Result<Vec<(Location, Map<String, Value>)>, DatasetError> {
+/// A row as a JSON object, with where it sits in its file.
+type LocatedObject = (Location, Map<String, Value>);
+
+fn read_parquet_objects(path: &Path) -> Result<Vec<LocatedObject>, DatasetError> {
     let parquet_err = |source| DatasetError::Parquet {
         path: path.to_path_buf(),
         source,
@@ -590,7 +593,7 @@ fn read_parquet_objects(path: &Path) -> Result<Vec<(Location, Map<String, Value>
         .collect())
 }
 
-fn read_jsonl_objects(path: &Path) -> Result<Vec<(Location, Map<String, Value>)>, DatasetError> {
+fn read_jsonl_objects(path: &Path) -> Result<Vec<LocatedObject>, DatasetError> {
     let file = File::open(path).map_err(|source| io_err(path, source))?;
     let mut objects = Vec::new();
     for (i, line) in BufReader::new(file).lines().enumerate() {
@@ -621,9 +624,7 @@ fn read_jsonl_objects(path: &Path) -> Result<Vec<(Location, Map<String, Value>)>
     Ok(objects)
 }
 
-fn read_json_array_objects(
-    path: &Path,
-) -> Result<Vec<(Location, Map<String, Value>)>, DatasetError> {
+fn read_json_array_objects(path: &Path) -> Result<Vec<LocatedObject>, DatasetError> {
     let file = File::open(path).map_err(|source| io_err(path, source))?;
     let value: Value =
         serde_json::from_reader(BufReader::new(file)).map_err(|source| DatasetError::Json {

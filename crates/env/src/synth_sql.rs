@@ -758,7 +758,12 @@ fn build_database(
                 .iter()
                 .map(|c| match c.kind {
                     ColumnKind::Id => SqlValue::Integer(row as i64 + 1),
-                    ColumnKind::Label { .. } => SqlValue::Text(labels[c.name][row].clone()),
+                    ColumnKind::Label { .. } => SqlValue::Text(
+                        labels[c.name]
+                            .get(row)
+                            .expect("each label pool is larger than its table")
+                            .clone(),
+                    ),
                     ColumnKind::Category(values) => SqlValue::Text(rng.pick(values).to_string()),
                     ColumnKind::Number { lo, hi, .. } => SqlValue::Integer(rng.range(lo, hi)),
                     ColumnKind::ForeignKey { table: parent, .. } => {
