@@ -32,14 +32,6 @@ pub enum Error {
     /// The tokenizer could not be loaded or saved.
     #[error(transparent)]
     Tokenizer(#[from] floe_model::tokenizer::TokenizerError),
-    /// An engine verb failed; `verb` names it (`sample`, `forward_backward`, …).
-    #[error("engine {verb}: {source}")]
-    EngineVerb {
-        /// The verb that failed.
-        verb: &'static str,
-        /// What the engine said.
-        source: Box<dyn std::error::Error + Send + Sync>,
-    },
     /// The run's config is invalid or could not be saved.
     #[error(transparent)]
     Config(#[from] crate::config::ConfigError),
@@ -64,17 +56,6 @@ pub enum Error {
     /// The chat template could not be compiled or rendered.
     #[error(transparent)]
     Template(#[from] floe_model::chat_template::TemplateError),
-    /// The training data cannot be used; the message names the source and the fix.
-    #[error("data: {0}")]
-    Data(String),
-    /// A checkpoint is missing, incomplete or unreadable.
-    #[error("checkpoint {path}: {message}")]
-    Checkpoint {
-        /// The checkpoint folder or file.
-        path: PathBuf,
-        /// What is wrong with it.
-        message: String,
-    },
     /// An engine verb failed, through whichever engine the loop drives.
     #[error("engine {verb}: {source}")]
     EngineVerb {

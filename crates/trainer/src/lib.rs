@@ -2,12 +2,19 @@
 
 #![deny(missing_docs)]
 
+pub mod checkpoint;
 pub mod config;
+pub mod data;
+pub mod embedded;
 pub mod engine;
 pub mod error;
+pub mod eval;
 pub mod local;
 pub mod metrics;
 pub mod report;
+pub mod rollout;
+pub mod run;
+pub mod sft;
 pub mod tensorboard;
 
 pub use config::Config;

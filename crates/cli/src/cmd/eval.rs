@@ -1,10 +1,47 @@
 //! `floe eval`.
 
+use std::path::PathBuf;
+
+use floe_trainer::run::{eval_checkpoint, EvalRequest};
+
 /// Flags of `floe eval`.
 #[derive(clap::Args)]
-pub struct Args {}
+pub struct Args {
+    /// A checkpoint folder (`<run_dir>/checkpoints/global_step_N`) or a run directory
+    /// (its latest checkpoint).
+    #[arg(value_name = "CHECKPOINT_OR_RUN_DIR")]
+    target: PathBuf,
+    /// Evaluate on this dataset (`.parquet`, `.jsonl`, `.json`) instead of the run's
+    /// validation data.
+    #[arg(long, value_name = "FILE")]
+    data: Option<PathBuf>,
+    /// Samples per prompt (pass@k uses k = this); default: the run's
+    /// `generator.eval_n_samples_per_prompt`.
+    #[arg(long, value_name = "K")]
+    n: Option<usize>,
+    /// Write the generations here (JSONL); default: `<run_dir>/evals/`.
+    #[arg(long, value_name = "FILE.jsonl")]
+    out: Option<PathBuf>,
+}
 
-/// Runs `floe eval`.
-pub fn run(_args: Args) -> anyhow::Result<()> {
-    anyhow::bail!("`floe eval` is not built yet")
+/// Runs `floe eval`: prints pass@k and the average score per data source.
+pub fn run(args: Args) -> anyhow::Result<()> {
+    let report = eval_checkpoint(&EvalRequest {
+        target: args.target,
+        data: args.data,
+        n: args.n,
+        out: args.out,
+    })?;
+    println!(
+        "floe eval: {} ({} prompts)",
+        report.checkpoint.display(),
+        report.num_prompts
+    );
+    for (name, value) in &report.metrics {
+        if name.starts_with("eval/") {
+            println!("  {name:<40} {value:.4}");
+        }
+    }
+    println!("  generations: {}", report.generations.display());
+    Ok(())
 }

@@ -1,0 +1,102 @@
+//! `floe train` killed with SIGKILL after its first checkpoint and started again resumes
+//! exactly: its metrics.jsonl equals that of an uninterrupted run (timing excluded).
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+const STEPS: u64 = 6;
+
+fn floe_train(run_dir: &Path) -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_floe"));
+    command
+        .arg("train")
+        .args([
+            format!("trainer.run_dir={}", run_dir.display()),
+            "data.synthetic_train_size=32".into(),
+            "data.synthetic_val_size=8".into(),
+            format!("trainer.max_training_steps={STEPS}"),
+            "trainer.train_batch_size=4".into(),
+            "trainer.policy_mini_batch_size=2".into(),
+            "trainer.micro_train_batch_size_per_gpu=4".into(),
+            "trainer.eval_interval=3".into(),
+            "trainer.eval_batch_size=8".into(),
+            "trainer.ckpt_interval=2".into(),
+            "trainer.max_ckpts_to_keep=2".into(),
+            "trainer.resume=latest".into(),
+            "trainer.logger=[\"tensorboard\"]".into(),
+            "generator.n_samples_per_prompt=2".into(),
+            "generator.sampling_params.max_generate_length=16".into(),
+            "generator.eval_sampling_params.max_generate_length=16".into(),
+            "sft.epochs=1".into(),
+            "sft.batch_size=8".into(),
+        ])
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit());
+    command
+}
+
+/// `(step, metrics without timing/*)` per line of metrics.jsonl.
+fn metrics_without_timing(run_dir: &Path) -> Vec<(u64, BTreeMap<String, Option<f64>>)> {
+    let text = std::fs::read_to_string(run_dir.join("metrics.jsonl")).unwrap();
+    text.lines()
+        .map(|line| {
+            let record: serde_json::Value = serde_json::from_str(line).unwrap();
+            let metrics = record["metrics"]
+                .as_object()
+                .unwrap()
+                .iter()
+                .filter(|(name, _)| !name.starts_with("timing/"))
+                .map(|(name, value)| (name.clone(), value.as_f64()))
+                .collect();
+            (record["step"].as_u64().unwrap(), metrics)
+        })
+        .collect()
+}
+
+/// Steps with training metrics logged so far.
+fn logged_steps(run_dir: &Path) -> u64 {
+    std::fs::read_to_string(run_dir.join("metrics.jsonl"))
+        .unwrap_or_default()
+        .lines()
+        .filter(|line| line.contains("reward/avg_raw_reward"))
+        .count() as u64
+}
+
+#[test]
+fn killed_run_resumes_to_the_same_metrics() {
+    let dir = tempfile::tempdir().unwrap();
+    let whole: PathBuf = dir.path().join("whole");
+    let killed: PathBuf = dir.path().join("killed");
+    assert!(floe_train(&whole).status().unwrap().success());
+
+    // Kill at a random step after the first checkpoint (step 2), before the last.
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .subsec_nanos() as u64;
+    let kill_after = 2 + nanos % (STEPS - 2);
+    let mut child = floe_train(&killed).spawn().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while logged_steps(&killed) < kill_after || !killed.join("checkpoints/latest").is_file() {
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "floe train ended early"
+        );
+        assert!(Instant::now() < deadline, "floe train made no progress");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
+    assert!(killed.join("checkpoints/latest").is_file());
+
+    assert!(floe_train(&killed).status().unwrap().success());
+    let expected = metrics_without_timing(&whole);
+    let resumed = metrics_without_timing(&killed);
+    assert_eq!(
+        resumed, expected,
+        "resumed run (killed after step {kill_after}) differs from the uninterrupted run"
+    );
+    assert!(killed.join("report.html").is_file());
+}

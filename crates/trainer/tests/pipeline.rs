@@ -1,0 +1,92 @@
+//! The whole pipeline on a very small embedded run: synthetic SQL data, BPE tokenizer,
+//! tiny model, SFT, two GRPO steps with evals and checkpoints, report.
+
+use std::path::Path;
+
+use floe_trainer::checkpoint::{load_trainer_state, CHECKPOINTS_DIR, LATEST_FILE};
+use floe_trainer::metrics::read_metrics;
+use floe_trainer::run::train;
+use floe_trainer::Config;
+
+/// The embedded recipe shrunk to seconds on a 2-core CPU.
+fn tiny_overrides(run_dir: &Path) -> Vec<String> {
+    [
+        format!("trainer.run_dir={}", run_dir.display()),
+        "data.synthetic_train_size=32".into(),
+        "data.synthetic_val_size=8".into(),
+        "trainer.max_training_steps=2".into(),
+        "trainer.max_prompt_length=1024".into(),
+        "trainer.train_batch_size=4".into(),
+        "trainer.policy_mini_batch_size=2".into(),
+        "trainer.micro_train_batch_size_per_gpu=4".into(),
+        "trainer.eval_interval=1".into(),
+        "trainer.eval_batch_size=8".into(),
+        "trainer.ckpt_interval=1".into(),
+        "trainer.max_ckpts_to_keep=1".into(),
+        "trainer.logger=[\"tensorboard\"]".into(),
+        "generator.n_samples_per_prompt=2".into(),
+        "generator.sampling_params.max_generate_length=16".into(),
+        "generator.eval_sampling_params.max_generate_length=16".into(),
+        "sft.epochs=1".into(),
+        "sft.batch_size=8".into(),
+    ]
+    .into_iter()
+    .collect()
+}
+
+#[test]
+fn embedded_pipeline_writes_metrics_tensorboard_report_and_checkpoints() {
+    let dir = tempfile::tempdir().unwrap();
+    let run_dir = dir.path().join("run");
+    let config = Config::load(None, &tiny_overrides(&run_dir)).unwrap();
+    let outcome = train(&config).unwrap();
+    assert_eq!(outcome.steps, 2);
+    assert!(outcome.initial_eval.contains_key("eval/all/avg_score"));
+    assert!(outcome.final_eval.contains_key("eval/synth_sql/avg_score"));
+
+    let records = read_metrics(&run_dir.join("metrics.jsonl")).unwrap();
+    let has = |step: u64, name: &str| {
+        records
+            .iter()
+            .any(|r| r.step == step && r.metrics.contains_key(name))
+    };
+    assert!(has(0, "sft/loss"));
+    assert!(has(0, "eval/all/accuracy"));
+    for step in [1, 2] {
+        for name in [
+            "reward/avg_raw_reward",
+            "generate/avg_num_tokens",
+            "policy/grad_norm",
+            "policy/policy_lr",
+            "timing/generate",
+            "timing/score",
+            "timing/fwd_logprobs",
+            "timing/train",
+            "timing/sync",
+            "timing/step",
+            "eval/synth_sql/avg_score",
+        ] {
+            assert!(has(step, name), "step {step} lacks {name}");
+        }
+    }
+
+    let events = std::fs::read_dir(run_dir.join("tensorboard"))
+        .unwrap()
+        .count();
+    assert!(events >= 1, "no TensorBoard event file");
+    assert!(run_dir.join("report.html").is_file());
+    assert!(run_dir.join("evals/global_step_0.jsonl").is_file());
+    assert!(run_dir.join("evals/global_step_2.jsonl").is_file());
+
+    let checkpoints = run_dir.join(CHECKPOINTS_DIR);
+    let latest = std::fs::read_to_string(checkpoints.join(LATEST_FILE)).unwrap();
+    assert_eq!(latest.trim(), "global_step_2");
+    assert!(checkpoints.join("global_step_2/engine").is_dir());
+    assert!(
+        !checkpoints.join("global_step_1").exists(),
+        "max_ckpts_to_keep = 1 keeps only the newest"
+    );
+    let state = load_trainer_state(&checkpoints.join("global_step_2")).unwrap();
+    assert_eq!(state.global_step, 2);
+    assert_eq!(state.optimizer_steps, 4, "2 steps × 2 mini-batches");
+}
