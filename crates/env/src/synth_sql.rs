@@ -1162,7 +1162,7 @@ pub fn summary(task: &SynthSql) -> String {
     let mut by_difficulty: BTreeMap<u64, (usize, usize)> = BTreeMap::new();
     for (split, rows) in [(0, &task.train), (1, &task.test)] {
         for row in rows {
-            let d = row.extras["difficulty"].as_u64().unwrap_or(0);
+            let d = row.extra_info()["difficulty"].as_u64().unwrap_or(0);
             let entry = by_difficulty.entry(d).or_default();
             if split == 0 {
                 entry.0 += 1;
