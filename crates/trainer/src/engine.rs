@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use floe_engine::policy::{OptimParams, StepOutcome};
 use floe_engine::{Generation, SampleRequest};
+use floe_rl::tinker::TinkerLoss;
 use floe_rl::AlgorithmConfig;
 use serde::{Deserialize, Serialize};
 
@@ -79,6 +80,17 @@ pub enum Loss {
     Policy(AlgorithmConfig),
     /// Supervised fine-tuning: mean negative log-likelihood over the masked tokens.
     CrossEntropy,
+    /// A Tinker `loss_fn` (`floe_rl::tinker`): a plain sum over tokens and responses.
+    /// Each response's `loss_mask` carries Tinker's `weights` (any real), `old_logprobs`
+    /// the sampler's log-probs and `advantages` the advantages.
+    Tinker {
+        /// Which loss.
+        loss: TinkerLoss,
+        /// Lower ratio bound of the clipped losses (Tinker's default 0.8).
+        clip_low_threshold: f64,
+        /// Upper ratio bound of the clipped losses (Tinker's default 1.2).
+        clip_high_threshold: f64,
+    },
 }
 
 /// Which weights a [`Engine::forward`] reads.

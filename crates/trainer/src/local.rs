@@ -29,10 +29,11 @@ use floe_engine::{
 };
 use floe_model::batch::TokenStats;
 use floe_model::tokenizer::Tokenizer;
-use floe_model::transformer::{Result as ModelResult, Transformer};
+use floe_model::transformer::{ModelError, Result as ModelResult, Transformer};
 use floe_model::weights::{self, HostTensor, SaveDType};
 use floe_model::ModelConfig;
 use floe_rl::metrics::reduce_micro_batch_metrics;
+use floe_rl::tinker::{tinker_loss, TinkerInputs, TinkerLoss, TinkerLossConfig};
 use floe_rl::{compute_policy_loss, AlgorithmConfig, GlobalNorm, LossInputs};
 
 use crate::config::{Config, Device};
@@ -353,6 +354,51 @@ impl<B: Backend> LocalEngine<B> {
         metrics.insert("sft/num_tokens".to_string(), num_tokens);
         Ok(ForwardBackwardOutput { loss, metrics })
     }
+
+    /// A Tinker loss: sums over tokens and responses, no normalisation, so calls
+    /// accumulate exactly as Tinker's do. `loss_mask` carries the weights.
+    fn forward_backward_tinker(
+        &mut self,
+        groups: &[TrainGroup],
+        kind: TinkerLoss,
+        config: &TinkerLossConfig,
+        logit_scale: f32,
+    ) -> Result<ForwardBackwardOutput> {
+        for (g, group) in groups.iter().enumerate() {
+            for (r, response) in group.responses.iter().enumerate() {
+                let n = response.tokens.len();
+                check_len(g, r, "loss_mask", response.loss_mask.len(), n)?;
+                check_len(g, r, "advantages", response.advantages.len(), n)?;
+                check_len(g, r, "old_logprobs", response.old_logprobs.len(), n)?;
+            }
+        }
+        let micro_batches = pack_rollouts(&rollout_groups(groups), self.packing())?;
+        let mut loss = 0.0;
+        for mb in &micro_batches {
+            let mut grad = |stats: &TokenStats| -> ModelResult<(Vec<f64>, Vec<f64>)> {
+                let inputs = MicroInputs::gather(groups, mb, &stats.logprobs, &stats.entropy);
+                let out = tinker_loss(
+                    kind,
+                    config,
+                    &TinkerInputs {
+                        seq_lens: &inputs.seq_lens,
+                        logprobs: &inputs.logprobs,
+                        weights: Some(&inputs.loss_mask),
+                        sampling_logprobs: Some(&inputs.old_logprobs),
+                        advantages: Some(&inputs.advantages),
+                        sequence_ratio_mask: None,
+                    },
+                )
+                .map_err(|e| ModelError::LossGrad(Box::new(e)))?;
+                loss += out.loss;
+                Ok((inputs.scatter(mb, &out.dlogprobs), vec![0.0; mb.len()]))
+            };
+            self.policy
+                .forward_backward(&mb.batch, logit_scale, &mut grad)?;
+        }
+        let metrics = BTreeMap::from([(floe_rl::tinker::LOSS_SUM_METRIC.to_string(), loss)]);
+        Ok(ForwardBackwardOutput { loss, metrics })
+    }
 }
 
 impl<B: Backend> Engine for LocalEngine<B> {
@@ -453,6 +499,17 @@ impl<B: Backend> Engine for LocalEngine<B> {
         match loss {
             Loss::Policy(config) => self.forward_backward_policy(groups, config, logit_scale),
             Loss::CrossEntropy => self.forward_backward_cross_entropy(groups, logit_scale),
+            Loss::Tinker {
+                loss,
+                clip_low_threshold,
+                clip_high_threshold,
+            } => {
+                let config = TinkerLossConfig {
+                    clip_low_threshold: *clip_low_threshold,
+                    clip_high_threshold: *clip_high_threshold,
+                };
+                self.forward_backward_tinker(groups, *loss, &config, logit_scale)
+            }
         }
     }
 
