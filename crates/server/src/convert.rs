@@ -1,0 +1,269 @@
+//! Between Tinker's wire data and the engine's types: datums to training groups,
+//! per-token outputs to batched tensors, generations to sample responses.
+//!
+//! A datum's position `i` of the model input predicts `target_tokens[i]`. The engine
+//! scores responses given a prompt, so a datum becomes the one-token prompt
+//! `model_input[0]` and the response `target_tokens`; that is the same computation
+//! exactly when `target_tokens` is the model input shifted by one, which every SDK and
+//! cookbook path sends (anything else is rejected, naming the datum).
+
+use std::collections::{BTreeMap, HashMap};
+
+use floe_engine::{Generation, StopReason};
+use floe_trainer::engine::{SequenceGroup, TokenOutputs, TrainGroup, TrainResponse};
+
+use crate::proto;
+
+/// A datum's tokens and loss inputs, decoded.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TinkerDatum {
+    /// The model input's tokens.
+    pub input: Vec<u32>,
+    /// `target_tokens`: the input shifted by one plus the next token.
+    pub targets: Vec<u32>,
+    /// Float loss inputs by name (`weights`, `logprobs`, `advantages`, ...).
+    pub inputs: BTreeMap<String, Vec<f64>>,
+}
+
+impl TinkerDatum {
+    /// The datum as one group of one response.
+    pub fn sequence_group(&self) -> SequenceGroup {
+        SequenceGroup {
+            prompt: vec![self.input[0]],
+            responses: vec![self.targets.clone()],
+        }
+    }
+
+    /// The datum as a training group: `weights` go to the loss mask, the client's
+    /// `logprobs` (the sampler's) to `old_logprobs`; absent inputs are zeros (the loss
+    /// checks which ones it needs).
+    pub fn train_group(&self) -> TrainGroup {
+        let n = self.targets.len();
+        let input = |name: &str, default: f64| {
+            self.inputs
+                .get(name)
+                .cloned()
+                .unwrap_or_else(|| vec![default; n])
+        };
+        TrainGroup {
+            prompt: vec![self.input[0]],
+            responses: vec![TrainResponse {
+                tokens: self.targets.clone(),
+                loss_mask: input("weights", 1.0),
+                advantages: input("advantages", 0.0),
+                old_logprobs: input("logprobs", 0.0),
+                rollout_logprobs: None,
+                ref_logprobs: None,
+            }],
+        }
+    }
+}
+
+/// Decodes the datums of a request, checking shapes and token ranges.
+pub fn decode_datums(data: &[proto::Datum], vocab_size: usize) -> Result<Vec<TinkerDatum>, String> {
+    data.iter()
+        .enumerate()
+        .map(|(i, datum)| decode_datum(datum, vocab_size).map_err(|e| format!("datum {i}: {e}")))
+        .collect()
+}
+
+fn decode_datum(datum: &proto::Datum, vocab_size: usize) -> Result<TinkerDatum, String> {
+    let input = chunk_tokens(&datum.model_input)?;
+    if input.is_empty() {
+        return Err("model_input has no tokens".into());
+    }
+    let n = input.len();
+    let mut targets = None;
+    let mut inputs = BTreeMap::new();
+    for (name, tensor) in &datum.loss_fn_inputs {
+        let values = tensor_values(tensor).map_err(|e| format!("loss_fn_inputs[{name:?}]: {e}"))?;
+        if values.len() != n {
+            return Err(format!(
+                "loss_fn_inputs[{name:?}] has {} values for {n} model_input tokens",
+                values.len()
+            ));
+        }
+        if name == "target_tokens" {
+            targets = Some(to_tokens(&values, vocab_size, "target_tokens")?);
+        } else {
+            inputs.insert(name.clone(), values);
+        }
+    }
+    let targets = targets.ok_or("loss_fn_inputs has no target_tokens")?;
+    check_tokens(&input, vocab_size, "model_input")?;
+    if let Some(i) = (1..n).find(|&i| targets[i - 1] != input[i]) {
+        return Err(format!(
+            "target_tokens[{}] is {} but model_input[{i}] is {}: floe serves targets that are \
+             the model input shifted by one",
+            i - 1,
+            targets[i - 1],
+            input[i]
+        ));
+    }
+    Ok(TinkerDatum {
+        input,
+        targets,
+        inputs,
+    })
+}
+
+/// Concatenated token ids of encoded-text chunks.
+pub fn chunk_tokens(chunks: &[proto::Chunk]) -> Result<Vec<u32>, String> {
+    let mut tokens = Vec::new();
+    for chunk in chunks {
+        match &chunk.chunk {
+            Some(proto::chunk::Chunk::EncodedText(text)) => {
+                if text.tokens.len() % 4 != 0 {
+                    return Err(format!(
+                        "an encoded_text chunk has {} bytes, not a multiple of 4",
+                        text.tokens.len()
+                    ));
+                }
+                for bytes in text.tokens.chunks_exact(4) {
+                    let id = i32::from_le_bytes(bytes.try_into().expect("4 bytes"));
+                    tokens
+                        .push(u32::try_from(id).map_err(|_| format!("token id {id} is negative"))?);
+                }
+            }
+            Some(_) => {
+                return Err("only encoded_text chunks are supported (no images or audio)".into())
+            }
+            None => return Err("a model_input chunk is empty".into()),
+        }
+    }
+    Ok(tokens)
+}
+
+/// The elements of a dense 1-D tensor as f64.
+fn tensor_values(tensor: &proto::Tensor) -> Result<Vec<f64>, String> {
+    let bytes = match &tensor.encoding {
+        Some(proto::tensor::Encoding::Dense(bytes)) => bytes,
+        Some(proto::tensor::Encoding::SparseCsr(_)) => {
+            return Err("sparse tensors are not supported yet; send dense 1-D tensors".into())
+        }
+        None => return Err("the tensor has no data".into()),
+    };
+    if tensor.shape.len() > 1 {
+        return Err(format!(
+            "shape {:?}: only 1-D tensors are supported yet",
+            tensor.shape
+        ));
+    }
+    let (width, read): (usize, fn(&[u8]) -> f64) = match tensor.dtype {
+        proto::DTYPE_FLOAT32 => (4, |b| f32::from_le_bytes(b.try_into().expect("4")) as f64),
+        proto::DTYPE_INT64 => (8, |b| i64::from_le_bytes(b.try_into().expect("8")) as f64),
+        proto::DTYPE_INT32 => (4, |b| i32::from_le_bytes(b.try_into().expect("4")) as f64),
+        other => return Err(format!("unsupported dtype {other}")),
+    };
+    if bytes.len() % width != 0 {
+        return Err(format!(
+            "{} bytes are not a whole number of {width}-byte elements",
+            bytes.len()
+        ));
+    }
+    let values: Vec<f64> = bytes.chunks_exact(width).map(read).collect();
+    if let Some(&[len]) = tensor.shape.get(..1) {
+        if len as usize != values.len() {
+            return Err(format!("shape [{len}] but {} elements", values.len()));
+        }
+    }
+    Ok(values)
+}
+
+fn to_tokens(values: &[f64], vocab_size: usize, what: &str) -> Result<Vec<u32>, String> {
+    let tokens: Vec<u32> = values
+        .iter()
+        .map(|&v| {
+            if v >= 0.0 && v.fract() == 0.0 && v <= u32::MAX as f64 {
+                Ok(v as u32)
+            } else {
+                Err(format!("{what} holds {v}, not a token id"))
+            }
+        })
+        .collect::<Result<_, _>>()?;
+    check_tokens(&tokens, vocab_size, what)?;
+    Ok(tokens)
+}
+
+/// Checks every id is below the vocabulary size.
+pub fn check_tokens(tokens: &[u32], vocab_size: usize, what: &str) -> Result<(), String> {
+    match tokens.iter().position(|&t| t as usize >= vocab_size) {
+        Some(i) => Err(format!(
+            "{what}[{i}] is {}, not below the vocabulary size {vocab_size}",
+            tokens[i]
+        )),
+        None => Ok(()),
+    }
+}
+
+/// The `ForwardBackwardOutput` of per-datum log-probs and `name:reduction` metrics.
+pub fn forward_backward_output(
+    outputs: &[Vec<TokenOutputs>],
+    metrics: HashMap<String, f64>,
+) -> Vec<u8> {
+    let mut data = Vec::new();
+    let mut offsets = Vec::with_capacity((outputs.len() + 1) * 8);
+    offsets.extend_from_slice(&0i64.to_le_bytes());
+    for group in outputs {
+        for response in group {
+            for &logprob in &response.logprobs {
+                data.extend_from_slice(&(logprob as f32).to_le_bytes());
+            }
+        }
+        offsets.extend_from_slice(&(data.len() as i64).to_le_bytes());
+    }
+    let record = proto::ArrayRecord {
+        type_tag: "ArrayRecord".into(),
+        fields: HashMap::from([(
+            "logprobs".to_string(),
+            proto::BatchedTensor {
+                data,
+                offsets,
+                dtype: proto::DTYPE_FLOAT32,
+                trailing_shape: Vec::new(),
+            },
+        )]),
+        num_datums: outputs.len() as i64,
+    };
+    prost::Message::encode_to_vec(&proto::ForwardBackwardOutput {
+        loss_fn_output_type: "ArrayRecord".into(),
+        loss_fn_outputs: vec![record],
+        metrics,
+    })
+}
+
+/// The `SampleResponse` of finished samples (in sample order) and optional prompt
+/// log-probs.
+pub fn sample_response(generations: &[Generation], prompt_logprobs: Option<&[f64]>) -> Vec<u8> {
+    let sequences = generations
+        .iter()
+        .map(|generation| proto::SampledSequence {
+            stop_reason: match generation.stop_reason {
+                StopReason::Length => proto::STOP_REASON_LENGTH,
+                StopReason::Stop(_) => proto::STOP_REASON_STOP,
+            },
+            tokens: generation
+                .tokens
+                .iter()
+                .flat_map(|&t| (t as i32).to_le_bytes())
+                .collect(),
+            logprobs: Some(
+                generation
+                    .logprobs
+                    .iter()
+                    .flat_map(|l| l.to_le_bytes())
+                    .collect(),
+            ),
+        })
+        .collect();
+    prost::Message::encode_to_vec(&proto::SampleResponse {
+        sequences,
+        prompt_logprobs: prompt_logprobs.map(|values| {
+            values
+                .iter()
+                .flat_map(|&v| (v as f32).to_le_bytes())
+                .collect()
+        }),
+        prompt_cache_hit_tokens: 0,
+    })
+}

@@ -1,0 +1,103 @@
+//! One engine per thread. A [`Worker`] owns an [`AnyLocalEngine`] on its own OS thread
+//! (the engine and its device stay on one thread, and a slow verb never blocks the HTTP
+//! runtime) and runs jobs in the order they are sent, completing each job's future.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc;
+use std::sync::Arc;
+
+use floe_trainer::local::AnyLocalEngine;
+
+use crate::futures::{Futures, Outcome};
+
+/// Work for an engine; returns the outcome of its future.
+pub type Job = Box<dyn FnOnce(&mut AnyLocalEngine) -> Outcome + Send>;
+
+/// Builds the engine on the worker's thread.
+pub type EngineBuilder = Box<dyn FnOnce() -> Result<AnyLocalEngine, String> + Send>;
+
+/// Why a job was not queued.
+#[derive(Debug)]
+pub enum QueueError {
+    /// The worker already holds its maximum of unfinished jobs (HTTP 429).
+    Full(usize),
+    /// The worker's engine failed to build or its thread ended.
+    Gone,
+}
+
+/// A handle on an engine thread.
+pub struct Worker {
+    jobs: mpsc::Sender<(u64, Job)>,
+    queued: Arc<AtomicUsize>,
+    max_queued: usize,
+}
+
+impl Worker {
+    /// Starts a thread that builds an engine with `build`, completes future `ready` with
+    /// `ready_outcome` (or the build error), then runs jobs until every handle is dropped.
+    pub fn spawn(
+        name: String,
+        build: EngineBuilder,
+        futures: Arc<Futures>,
+        ready: Option<(u64, Outcome)>,
+        max_queued: usize,
+    ) -> std::io::Result<Self> {
+        let (jobs, receiver) = mpsc::channel::<(u64, Job)>();
+        let queued = Arc::new(AtomicUsize::new(0));
+        let counter = Arc::clone(&queued);
+        std::thread::Builder::new().name(name).spawn(move || {
+            let built = catch_unwind(AssertUnwindSafe(build))
+                .unwrap_or_else(|_| Err("the engine panicked while loading".to_string()));
+            let mut engine = match built {
+                Ok(engine) => {
+                    if let Some((id, outcome)) = ready {
+                        futures.complete(id, outcome);
+                    }
+                    engine
+                }
+                Err(error) => {
+                    let error = format!("loading the model failed: {error}");
+                    tracing::error!("{error}");
+                    if let Some((id, _)) = ready {
+                        futures.complete(id, Outcome::server_error(error.clone()));
+                    }
+                    // Fail whatever was queued meanwhile, then end the thread: later sends
+                    // see a closed channel.
+                    while let Ok((id, _)) = receiver.try_recv() {
+                        futures.complete(id, Outcome::server_error(error.clone()));
+                    }
+                    return;
+                }
+            };
+            while let Ok((id, job)) = receiver.recv() {
+                let outcome = catch_unwind(AssertUnwindSafe(|| job(&mut engine)))
+                    .unwrap_or_else(|_| Outcome::server_error("the engine panicked"));
+                futures.complete(id, outcome);
+                counter.fetch_sub(1, Ordering::Relaxed);
+            }
+        })?;
+        Ok(Self {
+            jobs,
+            queued,
+            max_queued,
+        })
+    }
+
+    /// Whether another job fits the queue.
+    pub fn has_room(&self) -> Result<(), QueueError> {
+        if self.queued.load(Ordering::Relaxed) >= self.max_queued {
+            return Err(QueueError::Full(self.max_queued));
+        }
+        Ok(())
+    }
+
+    /// Queues `job` for future `id`, after every job sent before it.
+    pub fn send(&self, id: u64, job: Job) -> Result<(), QueueError> {
+        self.queued.fetch_add(1, Ordering::Relaxed);
+        self.jobs.send((id, job)).map_err(|_| {
+            self.queued.fetch_sub(1, Ordering::Relaxed);
+            QueueError::Gone
+        })
+    }
+}
