@@ -367,17 +367,29 @@ fn rope_forward_inverse() {
     let Some(g) = gpu() else { return };
     let c = CpuBackend::<f32>::new();
     let mut rng = Rng::new(7);
-    let (tokens, heads, hd) = (200, 6, 128);
-    let x = rng.vec(tokens * heads * hd, 1.0);
-    let pos: Vec<u32> = (0..tokens).map(|_| rng.below(4096)).collect();
-    let inv: Vec<f32> = (0..hd / 2)
-        .map(|i| 1e6f32.powf(-2.0 * i as f32 / hd as f32))
-        .collect();
-    let gr = rope_case(&g, &x, &pos, &inv, heads, hd);
-    let cr = rope_case(&c, &x, &pos, &inv, heads, hd);
-    check("rope forward", &gr[0], &cr[0], TOL);
-    check("rope inverse (backward)", &gr[1], &cr[1], TOL);
-    check("rope inverse ∘ forward = identity", &gr[1], &x, TOL);
+    // The model's head size and a small odd-half one.
+    for (tokens, heads, hd) in [(200, 6, 128), (50, 3, 12)] {
+        let x = rng.vec(tokens * heads * hd, 1.0);
+        let pos: Vec<u32> = (0..tokens).map(|_| rng.below(4096)).collect();
+        let inv: Vec<f32> = (0..hd / 2)
+            .map(|i| 1e6f32.powf(-2.0 * i as f32 / hd as f32))
+            .collect();
+        let gr = rope_case(&g, &x, &pos, &inv, heads, hd);
+        let cr = rope_case(&c, &x, &pos, &inv, heads, hd);
+        check(&format!("rope d={hd} forward"), &gr[0], &cr[0], TOL);
+        check(
+            &format!("rope d={hd} inverse (backward)"),
+            &gr[1],
+            &cr[1],
+            TOL,
+        );
+        check(
+            &format!("rope d={hd} inverse of forward = identity"),
+            &gr[1],
+            &x,
+            TOL,
+        );
+    }
 }
 
 fn swiglu_case<B: Backend>(b: &B, gate: &[f32], up: &[f32], dout: &[f32]) -> Vec<Vec<f32>> {
@@ -402,15 +414,14 @@ fn swiglu_forward_backward() {
     let Some(g) = gpu() else { return };
     let c = CpuBackend::<f32>::new();
     let mut rng = Rng::new(8);
-    let n = 123_457;
-    let (gate, up, dout) = (rng.vec(n, 4.0), rng.vec(n, 2.0), rng.vec(n, 1.0));
-    let gr = swiglu_case(&g, &gate, &up, &dout);
-    let cr = swiglu_case(&c, &gate, &up, &dout);
-    for (i, name) in ["swiglu forward", "swiglu dgate", "swiglu dup"]
-        .iter()
-        .enumerate()
-    {
-        check(name, &gr[i], &cr[i], TOL);
+    // One size a multiple of 8, one not.
+    for n in [131_072, 123_457] {
+        let (gate, up, dout) = (rng.vec(n, 4.0), rng.vec(n, 2.0), rng.vec(n, 1.0));
+        let gr = swiglu_case(&g, &gate, &up, &dout);
+        let cr = swiglu_case(&c, &gate, &up, &dout);
+        for (i, name) in ["forward", "dgate", "dup"].iter().enumerate() {
+            check(&format!("swiglu n={n} {name}"), &gr[i], &cr[i], TOL);
+        }
     }
 }
 
@@ -483,63 +494,100 @@ fn packed_segments() -> (Vec<Segment>, usize) {
     (segs, at as usize)
 }
 
+/// Segments spanning several 64-row tiles: a 130-token prompt shared by a 200-token
+/// response, then a plain 150-token sequence.
+fn long_segments() -> (Vec<Segment>, usize) {
+    let segs = vec![
+        Segment {
+            start: 0,
+            len: 130,
+            prefix_start: 0,
+            prefix_len: 0,
+        },
+        Segment {
+            start: 130,
+            len: 200,
+            prefix_start: 0,
+            prefix_len: 130,
+        },
+        Segment {
+            start: 330,
+            len: 150,
+            prefix_start: 0,
+            prefix_len: 0,
+        },
+    ];
+    (segs, 480)
+}
+
 #[test]
 fn attention_forward_backward() {
     let Some(g) = gpu() else { return };
     let c = CpuBackend::<f32>::new();
     let mut rng = Rng::new(9);
-    let (segs, tokens) = packed_segments();
-    for (hq, hk, d) in [(4, 2, 128), (4, 4, 64), (6, 1, 128), (2, 1, 32)] {
-        let shape = AttnShape {
-            tokens,
-            q_heads: hq,
-            kv_heads: hk,
-            head_dim: d,
-            scale: 1.0 / (d as f32).sqrt(),
-        };
-        let x = AttnInputs {
-            q: rng.vec(tokens * hq * d, 2.0),
-            k: rng.vec(tokens * hk * d, 2.0),
-            v: rng.vec(tokens * hk * d, 1.0),
-            dout: rng.vec(tokens * hq * d, 1.0),
-        };
-        let gr = attention_case(&g, &x, &segs, shape);
-        let cr = attention_case(&c, &x, &segs, shape);
-        for (i, name) in ["out", "lse", "dq", "dk", "dv"].iter().enumerate() {
-            check(
-                &format!("attention T={tokens} {hq}q/{hk}kv d={d} {name}"),
-                &gr[i],
-                &cr[i],
-                TOL,
-            );
+    let cases = [
+        (
+            packed_segments(),
+            [(4, 2, 128), (4, 4, 64), (6, 1, 128), (2, 1, 32)].as_slice(),
+        ),
+        (long_segments(), [(4, 2, 128), (2, 1, 64)].as_slice()),
+    ];
+    for ((segs, tokens), shapes) in cases {
+        for &(hq, hk, d) in shapes {
+            let shape = AttnShape {
+                tokens,
+                q_heads: hq,
+                kv_heads: hk,
+                head_dim: d,
+                scale: 1.0 / (d as f32).sqrt(),
+            };
+            let x = AttnInputs {
+                q: rng.vec(tokens * hq * d, 2.0),
+                k: rng.vec(tokens * hk * d, 2.0),
+                v: rng.vec(tokens * hk * d, 1.0),
+                dout: rng.vec(tokens * hq * d, 1.0),
+            };
+            let gr = attention_case(&g, &x, &segs, shape);
+            let cr = attention_case(&c, &x, &segs, shape);
+            for (i, name) in ["out", "lse", "dq", "dk", "dv"].iter().enumerate() {
+                check(
+                    &format!("attention T={tokens} {hq}q/{hk}kv d={d} {name}"),
+                    &gr[i],
+                    &cr[i],
+                    TOL,
+                );
+            }
         }
     }
 }
 
-fn paged_case<B: Backend>(
-    b: &B,
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
-    slots: &[u32],
+/// A paged-attention problem: tokens written to the cache, then queries reading it.
+struct Paged {
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    slots: Vec<u32>,
     cache_rows: usize,
-    tables: &[u32],
-    seq: &[u32],
-    pos: &[u32],
+    tables: Vec<u32>,
+    seq: Vec<u32>,
+    pos: Vec<u32>,
     max_blocks: usize,
     block_size: usize,
     shape: AttnShape,
-) -> Vec<Vec<f32>> {
+}
+
+fn paged_case<B: Backend>(b: &B, x: &Paged) -> Vec<Vec<f32>> {
+    let shape = x.shape;
     let row = shape.kv_heads * shape.head_dim;
     let mut kc = b
-        .upload(&vec![0.0; cache_rows * row], BufKind::Compute)
+        .upload(&vec![0.0; x.cache_rows * row], BufKind::Compute)
         .unwrap();
     let mut vc = b
-        .upload(&vec![0.0; cache_rows * row], BufKind::Compute)
+        .upload(&vec![0.0; x.cache_rows * row], BufKind::Compute)
         .unwrap();
-    let kb = b.upload(k, BufKind::Compute).unwrap();
-    let vb = b.upload(v, BufKind::Compute).unwrap();
-    let sb = b.upload_index(slots).unwrap();
+    let kb = b.upload(&x.k, BufKind::Compute).unwrap();
+    let vb = b.upload(&x.v, BufKind::Compute).unwrap();
+    let sb = b.upload_index(&x.slots).unwrap();
     b.kv_cache_write(
         &mut kc,
         &mut vc,
@@ -550,19 +598,19 @@ fn paged_case<B: Backend>(
         shape.head_dim,
     )
     .unwrap();
-    let qb = b.upload(q, BufKind::Compute).unwrap();
-    let bt = b.upload_index(tables).unwrap();
-    let ts = b.upload_index(seq).unwrap();
-    let tp = b.upload_index(pos).unwrap();
+    let qb = b.upload(&x.q, BufKind::Compute).unwrap();
+    let bt = b.upload_index(&x.tables).unwrap();
+    let ts = b.upload_index(&x.seq).unwrap();
+    let tp = b.upload_index(&x.pos).unwrap();
     let layout = PagedLayout {
         block_tables: &bt,
-        max_blocks,
-        block_size,
+        max_blocks: x.max_blocks,
+        block_size: x.block_size,
         token_seq: &ts,
         token_pos: &tp,
-        max_context: *pos.iter().max().unwrap() as usize + 1,
+        max_context: *x.pos.iter().max().unwrap() as usize + 1,
     };
-    let mut out = b.upload(&nan(q.len()), BufKind::Compute).unwrap();
+    let mut out = b.upload(&nan(x.q.len()), BufKind::Compute).unwrap();
     b.paged_attention(&mut out, &qb, &kc, &vc, &layout, shape)
         .unwrap();
     vec![
@@ -577,11 +625,11 @@ fn kv_cache_and_paged_attention() {
     let Some(g) = gpu() else { return };
     let c = CpuBackend::<f32>::new();
     let mut rng = Rng::new(10);
-    let (hq, hk, d, block_size, max_blocks) = (8, 2, 128, 16, 8);
-    // Three sequences of 100, 37 and 120 tokens: write all of them, then one query per
+    let (hq, hk, d, block_size, max_blocks) = (8, 2, 128, 16, 40);
+    // Three sequences of 300, 37 and 520 tokens: write all of them, then one query per
     // sequence at its last position (decoding) plus a few mid-sequence (chunked prefill).
-    let lens = [100u32, 37, 120];
-    let n_blocks = 30;
+    let lens = [300u32, 37, 520];
+    let n_blocks = 60;
     let mut free: Vec<u32> = (0..n_blocks).rev().collect();
     let mut tables = vec![0u32; lens.len() * max_blocks];
     let (mut slots, mut seq, mut pos) = (Vec::new(), Vec::new(), Vec::new());
@@ -611,16 +659,21 @@ fn kv_cache_and_paged_attention() {
     let k = rng.vec(t_kv * hk * d, 2.0);
     let v = rng.vec(t_kv * hk * d, 1.0);
     let q = rng.vec(seq.len() * hq * d, 2.0);
-    let cache_rows = n_blocks as usize * block_size;
-    let args = (
-        &slots, cache_rows, &tables, &seq, &pos, max_blocks, block_size, shape,
-    );
-    let gr = paged_case(
-        &g, &q, &k, &v, args.0, args.1, args.2, args.3, args.4, args.5, args.6, args.7,
-    );
-    let cr = paged_case(
-        &c, &q, &k, &v, args.0, args.1, args.2, args.3, args.4, args.5, args.6, args.7,
-    );
+    let problem = Paged {
+        q,
+        k,
+        v,
+        slots,
+        cache_rows: n_blocks as usize * block_size,
+        tables,
+        seq,
+        pos,
+        max_blocks,
+        block_size,
+        shape,
+    };
+    let gr = paged_case(&g, &problem);
+    let cr = paged_case(&c, &problem);
     check("kv_cache_write k", &gr[0], &cr[0], TOL);
     check("kv_cache_write v", &gr[1], &cr[1], TOL);
     check("paged_attention", &gr[2], &cr[2], TOL);

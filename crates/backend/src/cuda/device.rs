@@ -287,22 +287,22 @@ impl CudaBackend {
         )
     }
 
+    /// `module`, compiled (once per process) and loaded (once per backend).
+    fn module(&self, module: Module) -> Result<Arc<CudaModule>> {
+        let mut modules = self.modules.lock().expect("poisoned");
+        if let Some(m) = modules.get(&module) {
+            return Ok(m.clone());
+        }
+        let loaded = self.ctx.load_module(compile(module, self.arch)?)?;
+        modules.insert(module, loaded.clone());
+        Ok(loaded)
+    }
+
     fn function(&self, module: Module, kernel: &'static str) -> Result<CudaFunction> {
         if let Some(f) = self.functions.lock().expect("poisoned").get(kernel) {
             return Ok(f.clone());
         }
-        let loaded = {
-            let mut modules = self.modules.lock().expect("poisoned");
-            match modules.get(&module) {
-                Some(m) => m.clone(),
-                None => {
-                    let m = self.ctx.load_module(compile(module, self.arch)?)?;
-                    modules.insert(module, m.clone());
-                    m
-                }
-            }
-        };
-        let f = loaded.load_function(kernel)?;
+        let f = self.module(module)?.load_function(kernel)?;
         self.functions
             .lock()
             .expect("poisoned")
@@ -314,11 +314,7 @@ impl CudaBackend {
     /// training step exclude NVRTC.
     pub fn warm_up(&self) -> Result<()> {
         for m in ALL_MODULES {
-            let mut modules = self.modules.lock().expect("poisoned");
-            if !modules.contains_key(&m) {
-                let loaded = self.ctx.load_module(compile(m, self.arch)?)?;
-                modules.insert(m, loaded);
-            }
+            self.module(m)?;
         }
         Ok(())
     }
