@@ -60,12 +60,12 @@ impl BirdSplit {
 #[derive(Debug, thiserror::Error)]
 pub enum BirdError {
     /// A file could not be read.
-    #[error("{}: {source}", path.display())]
+    #[error("{}: {cause}", path.display())]
     Io {
         /// The file.
         path: PathBuf,
         /// The underlying error.
-        source: std::io::Error,
+        cause: std::io::Error,
     },
     /// The question file is not valid JSON or not a list of objects.
     #[error("{}: {problem}", path.display())]
@@ -104,12 +104,12 @@ pub enum BirdError {
         expected: PathBuf,
     },
     /// SQLite failed on a database while reading its schema.
-    #[error("{}: {source}", path.display())]
+    #[error("{}: {cause}", path.display())]
     Sqlite {
         /// The database file.
         path: PathBuf,
         /// The underlying error.
-        source: rusqlite::Error,
+        cause: rusqlite::Error,
     },
     /// A description CSV is malformed.
     #[error("{}, line {line}: {problem}", path.display())]
@@ -222,10 +222,10 @@ pub fn load_descriptions(dir: &Path) -> Result<Descriptions, BirdError> {
     let entries = match std::fs::read_dir(dir) {
         Ok(entries) => entries,
         Err(err) if err.kind() == std::io::ErrorKind::NotFound => return Ok(descriptions),
-        Err(source) => {
+        Err(cause) => {
             return Err(BirdError::Io {
                 path: dir.to_path_buf(),
-                source,
+                cause,
             })
         }
     };
@@ -239,9 +239,9 @@ pub fn load_descriptions(dir: &Path) -> Result<Descriptions, BirdError> {
             .file_stem()
             .map(|s| s.to_string_lossy().into_owned())
             .unwrap_or_default();
-        let bytes = std::fs::read(&path).map_err(|source| BirdError::Io {
+        let bytes = std::fs::read(&path).map_err(|cause| BirdError::Io {
             path: path.clone(),
-            source,
+            cause,
         })?;
         let records = csv::parse(&csv::decode(&bytes)).map_err(|line| BirdError::Csv {
             path: path.clone(),
@@ -302,15 +302,15 @@ pub fn convert_bird(bird_dir: &Path, options: &BirdOptions) -> Result<Vec<Row>, 
     let split = options.split.name();
     let questions_path = bird_dir.join(format!("{split}.json"));
     let databases_dir =
-        std::path::absolute(bird_dir.join(format!("{split}_databases"))).map_err(|source| {
+        std::path::absolute(bird_dir.join(format!("{split}_databases"))).map_err(|cause| {
             BirdError::Io {
                 path: bird_dir.to_path_buf(),
-                source,
+                cause,
             }
         })?;
-    let text = std::fs::read_to_string(&questions_path).map_err(|source| BirdError::Io {
+    let text = std::fs::read_to_string(&questions_path).map_err(|cause| BirdError::Io {
         path: questions_path.clone(),
-        source,
+        cause,
     })?;
     let entries: Vec<Value> = match serde_json::from_str(&text) {
         Ok(Value::Array(entries)) => entries,
@@ -374,9 +374,9 @@ pub fn convert_bird(bird_dir: &Path, options: &BirdOptions) -> Result<Vec<Row>, 
             } else {
                 Descriptions::default()
             };
-            let sqlite_err = |source| BirdError::Sqlite {
+            let sqlite_err = |cause| BirdError::Sqlite {
                 path: db_path.clone(),
-                source,
+                cause,
             };
             let conn = open_read_only(&db_path).map_err(sqlite_err)?;
             let schema =

@@ -141,12 +141,12 @@ impl fmt::Display for Location {
 #[derive(Debug, thiserror::Error)]
 pub enum DatasetError {
     /// The file could not be opened, read or written.
-    #[error("{}: {source}", path.display())]
+    #[error("{}: {cause}", path.display())]
     Io {
         /// The file.
         path: PathBuf,
         /// The underlying error.
-        source: std::io::Error,
+        cause: std::io::Error,
     },
     /// The extension is none of `.parquet`, `.jsonl` or `.json`.
     #[error("{}: unknown dataset format; expected a .parquet, .jsonl or .json file", path.display())]
@@ -155,20 +155,20 @@ pub enum DatasetError {
         path: PathBuf,
     },
     /// The parquet reader or writer failed.
-    #[error("{}: parquet: {source}", path.display())]
+    #[error("{}: parquet: {cause}", path.display())]
     Parquet {
         /// The file.
         path: PathBuf,
         /// The underlying error.
-        source: parquet::errors::ParquetError,
+        cause: parquet::errors::ParquetError,
     },
     /// Building Arrow arrays failed.
-    #[error("{}: arrow: {source}", path.display())]
+    #[error("{}: arrow: {cause}", path.display())]
     Arrow {
         /// The file.
         path: PathBuf,
         /// The underlying error.
-        source: arrow::error::ArrowError,
+        cause: arrow::error::ArrowError,
     },
     /// A parquet column has a type with no JSON equivalent.
     #[error("{}: column `{column}` has type {data_type}, which floe cannot read", path.display())]
@@ -181,14 +181,14 @@ pub enum DatasetError {
         data_type: String,
     },
     /// A JSONL line or a JSON file is not valid JSON.
-    #[error("{}, {at}: invalid JSON: {source}", path.display())]
+    #[error("{}, {at}: invalid JSON: {cause}", path.display())]
     Json {
         /// The file.
         path: PathBuf,
         /// The line (JSONL) or the start of the file (JSON).
         at: Location,
         /// The parser's message.
-        source: serde_json::Error,
+        cause: serde_json::Error,
     },
     /// A row lacks a required key.
     #[error("{}, {at}: missing key `{key}`", path.display())]
@@ -562,20 +562,20 @@ fn column_order(objects: &[Map<String, Value>]) -> Vec<String> {
 type LocatedObject = (Location, Map<String, Value>);
 
 fn read_parquet_objects(path: &Path) -> Result<Vec<LocatedObject>, DatasetError> {
-    let parquet_err = |source| DatasetError::Parquet {
+    let parquet_err = |cause| DatasetError::Parquet {
         path: path.to_path_buf(),
-        source,
+        cause,
     };
-    let file = File::open(path).map_err(|source| io_err(path, source))?;
+    let file = File::open(path).map_err(|cause| io_err(path, cause))?;
     let reader = ParquetRecordBatchReaderBuilder::try_new(file)
         .map_err(parquet_err)?
         .build()
         .map_err(parquet_err)?;
     let mut objects = Vec::new();
     for batch in reader {
-        let batch = batch.map_err(|source| DatasetError::Arrow {
+        let batch = batch.map_err(|cause| DatasetError::Arrow {
             path: path.to_path_buf(),
-            source,
+            cause,
         })?;
         let rows = arrow_json::batch_to_objects(&batch).map_err(|unsupported| {
             DatasetError::UnsupportedColumn {
@@ -594,11 +594,11 @@ fn read_parquet_objects(path: &Path) -> Result<Vec<LocatedObject>, DatasetError>
 }
 
 fn read_jsonl_objects(path: &Path) -> Result<Vec<LocatedObject>, DatasetError> {
-    let file = File::open(path).map_err(|source| io_err(path, source))?;
+    let file = File::open(path).map_err(|cause| io_err(path, cause))?;
     let mut objects = Vec::new();
     for (i, line) in BufReader::new(file).lines().enumerate() {
         let at = Location::Line(i + 1);
-        let line = line.map_err(|source| io_err(path, source))?;
+        let line = line.map_err(|cause| io_err(path, cause))?;
         if line.trim().is_empty() {
             continue;
         }
@@ -612,11 +612,11 @@ fn read_jsonl_objects(path: &Path) -> Result<Vec<LocatedObject>, DatasetError> {
                     problem: format!("must be a JSON object, found {}", kind(&other)),
                 })
             }
-            Err(source) => {
+            Err(cause) => {
                 return Err(DatasetError::Json {
                     path: path.to_path_buf(),
                     at,
-                    source,
+                    cause,
                 })
             }
         }
@@ -625,12 +625,12 @@ fn read_jsonl_objects(path: &Path) -> Result<Vec<LocatedObject>, DatasetError> {
 }
 
 fn read_json_array_objects(path: &Path) -> Result<Vec<LocatedObject>, DatasetError> {
-    let file = File::open(path).map_err(|source| io_err(path, source))?;
+    let file = File::open(path).map_err(|cause| io_err(path, cause))?;
     let value: Value =
-        serde_json::from_reader(BufReader::new(file)).map_err(|source| DatasetError::Json {
+        serde_json::from_reader(BufReader::new(file)).map_err(|cause| DatasetError::Json {
             path: path.to_path_buf(),
             at: Location::Line(1),
-            source,
+            cause,
         })?;
     let Value::Array(items) = value else {
         return Err(DatasetError::InvalidValue {
@@ -662,15 +662,15 @@ fn write_parquet_objects(path: &Path, objects: &[Map<String, Value>]) -> Result<
     let columns = column_order(objects);
     let columns: Vec<&str> = columns.iter().map(String::as_str).collect();
     let batch =
-        arrow_json::objects_to_batch(objects, &columns).map_err(|source| DatasetError::Arrow {
+        arrow_json::objects_to_batch(objects, &columns).map_err(|cause| DatasetError::Arrow {
             path: path.to_path_buf(),
-            source,
+            cause,
         })?;
-    let parquet_err = |source| DatasetError::Parquet {
+    let parquet_err = |cause| DatasetError::Parquet {
         path: path.to_path_buf(),
-        source,
+        cause,
     };
-    let file = File::create(path).map_err(|source| io_err(path, source))?;
+    let file = File::create(path).map_err(|cause| io_err(path, cause))?;
     let props = WriterProperties::builder()
         .set_compression(Compression::SNAPPY)
         .build();
@@ -682,20 +682,19 @@ fn write_parquet_objects(path: &Path, objects: &[Map<String, Value>]) -> Result<
 }
 
 fn write_jsonl_objects(path: &Path, objects: &[Map<String, Value>]) -> Result<(), DatasetError> {
-    let file = File::create(path).map_err(|source| io_err(path, source))?;
+    let file = File::create(path).map_err(|cause| io_err(path, cause))?;
     let mut out = BufWriter::new(file);
     for object in objects {
-        serde_json::to_writer(&mut out, object).map_err(|source| io_err(path, source.into()))?;
-        out.write_all(b"\n")
-            .map_err(|source| io_err(path, source))?;
+        serde_json::to_writer(&mut out, object).map_err(|cause| io_err(path, cause.into()))?;
+        out.write_all(b"\n").map_err(|cause| io_err(path, cause))?;
     }
-    out.flush().map_err(|source| io_err(path, source))
+    out.flush().map_err(|cause| io_err(path, cause))
 }
 
-fn io_err(path: &Path, source: std::io::Error) -> DatasetError {
+fn io_err(path: &Path, cause: std::io::Error) -> DatasetError {
     DatasetError::Io {
         path: path.to_path_buf(),
-        source,
+        cause,
     }
 }
 
@@ -717,7 +716,7 @@ fn kind(value: &Value) -> &'static str {
 
 /// The absolute folder holding `file`.
 fn absolute_dir_of(file: &Path) -> Result<PathBuf, DatasetError> {
-    let absolute = std::path::absolute(file).map_err(|source| io_err(file, source))?;
+    let absolute = std::path::absolute(file).map_err(|cause| io_err(file, cause))?;
     Ok(normalize(absolute.parent().unwrap_or(Path::new("/"))))
 }
 

@@ -62,20 +62,20 @@ impl Default for SynthSqlOptions {
 #[derive(Debug, thiserror::Error)]
 pub enum SynthSqlError {
     /// A file or folder could not be created.
-    #[error("{}: {source}", path.display())]
+    #[error("{}: {cause}", path.display())]
     Io {
         /// The path.
         path: PathBuf,
         /// The underlying error.
-        source: std::io::Error,
+        cause: std::io::Error,
     },
     /// SQLite failed while building a database or running a gold query.
-    #[error("{}: {source}", path.display())]
+    #[error("{}: {cause}", path.display())]
     Sqlite {
         /// The database file.
         path: PathBuf,
         /// The underlying error.
-        source: rusqlite::Error,
+        cause: rusqlite::Error,
     },
     /// Writing a split failed.
     #[error(transparent)]
@@ -104,13 +104,13 @@ pub struct SynthSql {
 /// Builds the databases in `out_dir` (creating it; existing database files are replaced) and
 /// returns the rows of both splits.
 pub fn generate(out_dir: &Path, options: &SynthSqlOptions) -> Result<SynthSql, SynthSqlError> {
-    std::fs::create_dir_all(out_dir).map_err(|source| SynthSqlError::Io {
+    std::fs::create_dir_all(out_dir).map_err(|cause| SynthSqlError::Io {
         path: out_dir.to_path_buf(),
-        source,
+        cause,
     })?;
-    let out_dir = std::path::absolute(out_dir).map_err(|source| SynthSqlError::Io {
+    let out_dir = std::path::absolute(out_dir).map_err(|cause| SynthSqlError::Io {
         path: out_dir.to_path_buf(),
-        source,
+        cause,
     })?;
     let mut databases = Vec::new();
     let mut schemas = Vec::new();
@@ -118,9 +118,9 @@ pub fn generate(out_dir: &Path, options: &SynthSqlOptions) -> Result<SynthSql, S
     let mut candidates = Vec::new();
     for (db_index, spec) in DATABASES.iter().enumerate() {
         let path = out_dir.join(format!("{}.sqlite", spec.id));
-        let sqlite_err = |source| SynthSqlError::Sqlite {
+        let sqlite_err = |cause| SynthSqlError::Sqlite {
             path: path.clone(),
-            source,
+            cause,
         };
         let mut rng = SplitMix64::new(options.seed, db_index as u64);
         let conn = build_database(&path, spec, &mut rng)?;
@@ -702,17 +702,17 @@ fn build_database(
     spec: &DatabaseSpec,
     rng: &mut SplitMix64,
 ) -> Result<Connection, SynthSqlError> {
-    let sqlite_err = |source| SynthSqlError::Sqlite {
+    let sqlite_err = |cause| SynthSqlError::Sqlite {
         path: path.to_path_buf(),
-        source,
+        cause,
     };
     match std::fs::remove_file(path) {
         Ok(()) => {}
         Err(err) if err.kind() == std::io::ErrorKind::NotFound => {}
-        Err(source) => {
+        Err(cause) => {
             return Err(SynthSqlError::Io {
                 path: path.to_path_buf(),
-                source,
+                cause,
             })
         }
     }
@@ -1162,7 +1162,11 @@ pub fn summary(task: &SynthSql) -> String {
     let mut by_difficulty: BTreeMap<u64, (usize, usize)> = BTreeMap::new();
     for (split, rows) in [(0, &task.train), (1, &task.test)] {
         for row in rows {
-            let d = row.extra_info()["difficulty"].as_u64().unwrap_or(0);
+            let d = row
+                .extra_info()
+                .get("difficulty")
+                .and_then(|d| d.as_u64())
+                .unwrap_or(0);
             let entry = by_difficulty.entry(d).or_default();
             if split == 0 {
                 entry.0 += 1;
