@@ -1,0 +1,71 @@
+"""Drives a running `floe serve` with the unmodified tinker SDK (run by tests/sdk.rs).
+
+Environment: TINKER_BASE_URL (the server), TINKER_API_KEY (a `tml-` key it accepts),
+FLOE_BASE_MODEL (a served base model name). Exits non-zero on any failed check.
+"""
+
+import math
+import os
+
+import tinker
+from tinker import types
+
+
+def datum(tokens):
+    """A next-token datum over `tokens`: input tokens[:-1], targets tokens[1:]."""
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={
+            "target_tokens": tokens[1:],
+            "weights": [1.0] * (len(tokens) - 1),
+        },
+    )
+
+
+def main():
+    service = tinker.ServiceClient(base_url=os.environ["TINKER_BASE_URL"])
+    training = service.create_lora_training_client(
+        base_model=os.environ["FLOE_BASE_MODEL"], rank=8
+    )
+    info = training.get_info()
+    assert info.model_data.model_name == os.environ["FLOE_BASE_MODEL"], info
+
+    batch = [datum([11, 12, 13, 14, 15, 16]), datum([21, 22, 23, 24])]
+    positions = 5 + 3
+    losses = []
+    for _ in range(4):
+        result = training.forward_backward(batch, "cross_entropy").result()
+        loss = result.metrics["loss:sum"]
+        assert len(result.loss_fn_outputs) == 2, result
+        logprobs = [result.loss_fn_outputs[i]["logprobs"].tolist() for i in range(2)]
+        assert [len(l) for l in logprobs] == [5, 3], logprobs
+        # Sum semantics: the loss is minus the summed target log-probs.
+        assert abs(loss + sum(sum(l) for l in logprobs)) < 1e-3 * positions, (loss, logprobs)
+        losses.append(loss)
+        training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    print("cross_entropy losses:", losses)
+    assert losses[-1] < losses[0], losses
+
+    # forward scores without a gradient: the trained weights fit the batch better
+    # than before the last step.
+    scored = training.forward(batch, "cross_entropy").result()
+    assert scored.metrics["loss:sum"] < losses[-1], (scored.metrics, losses)
+
+    sampler = training.save_weights_and_get_sampling_client()
+    response = sampler.sample(
+        prompt=types.ModelInput.from_ints([11, 12, 13]),
+        num_samples=2,
+        sampling_params=types.SamplingParams(max_tokens=4, temperature=1.0, seed=7),
+    ).result()
+    assert len(response.sequences) == 2, response
+    for sequence in response.sequences:
+        assert 1 <= len(sequence.tokens) <= 4, sequence
+        assert sequence.logprobs is not None and len(sequence.logprobs) == len(sequence.tokens)
+        assert all(math.isfinite(l) and l <= 0.0 for l in sequence.logprobs), sequence
+        assert sequence.stop_reason in ("stop", "length"), sequence
+    print("samples:", [(s.tokens, s.stop_reason) for s in response.sequences])
+    print("SDK round trip OK")
+
+
+if __name__ == "__main__":
+    main()
