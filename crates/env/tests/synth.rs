@@ -158,3 +158,27 @@ fn synth_math_is_deterministic_gsm8k_format() {
         );
     }
 }
+
+/// The contract with the environments: each row builds its `env_class` from its extras, and
+/// the reference answer earns full reward.
+#[test]
+fn reference_answers_earn_full_reward() {
+    let dir = tempfile::tempdir().unwrap();
+    let task = generate(dir.path(), &options(3)).unwrap();
+    let registry = floe_env::env::Registry::with_builtins();
+    for row in task.train.iter().take(40).chain(task.test.iter().take(20)) {
+        let env_class = row.env_class.as_deref().unwrap();
+        let mut env = registry.make(env_class, &row.extras).unwrap();
+        let answer = row.extra_info()["reference_answer"].as_str().unwrap();
+        let out = env.step(answer).unwrap();
+        assert!(out.done);
+        assert_eq!(out.reward, 1.0, "{answer}");
+    }
+    for row in synth_math::rows(0, 20) {
+        let mut env = registry
+            .make(row.env_class.as_deref().unwrap(), &row.extras)
+            .unwrap();
+        let answer = row.extra_info()["answer"].as_str().unwrap();
+        assert_eq!(env.step(answer).unwrap().reward, 1.0, "{answer}");
+    }
+}
