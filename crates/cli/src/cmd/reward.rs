@@ -236,7 +236,7 @@ fn json_line(fields: &[(&str, Value)]) -> String {
 }
 
 /// Writes the lines to `output` or stdout; a closed stdout (`| head`) ends output quietly.
-fn write_jsonl(output: Option<&Path>, lines: impl Iterator<Item = String>) -> Result<()> {
+fn write_jsonl(output: Option<&Path>, mut lines: impl Iterator<Item = String>) -> Result<()> {
     let sink: Box<dyn Write> = match output {
         Some(path) => Box::new(
             File::create(path).with_context(|| format!("cannot create {}", path.display()))?,
@@ -245,8 +245,7 @@ fn write_jsonl(output: Option<&Path>, lines: impl Iterator<Item = String>) -> Re
     };
     let mut writer = BufWriter::new(sink);
     let written = lines
-        .map(|line| writer.write_all(line.as_bytes()))
-        .collect::<std::io::Result<()>>()
+        .try_for_each(|line| writer.write_all(line.as_bytes()))
         .and_then(|()| writer.flush());
     match written {
         Err(err) if err.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
