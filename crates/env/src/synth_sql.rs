@@ -1,7 +1,7 @@
 //! A synthetic text-to-SQL task small enough to learn from scratch on a laptop.
 //!
 //! Three SQLite databases (a shop, a school and a library; four tables each, linked by foreign
-//! keys, tens of rows) are filled deterministically from a seed. Questions come from a dozen
+//! keys, tens of rows) are filled deterministically from a seed. Questions come from eleven
 //! regular templates of graded difficulty, each with gold SQL that is executed at generation
 //! time; questions whose answer is empty, NULL, a zero count or a tie under `LIMIT 1` are
 //! skipped. Prompts use the same Arctic format as BIRD ([`crate::bird::arctic_prompt`]) over
@@ -12,7 +12,7 @@
 //! things no training question mentions. Templates are drawn round-robin, so every kind of
 //! question appears in both splits in similar proportions.
 //!
-//! Each row's extras carry `db_id`, `db_path`, `difficulty` (1–5), `template`, the question's
+//! Each row's `extra_info` carries `db_id`, `db_path`, `difficulty` (1–5), `template`, the question's
 //! `constants`, and `reference_answer`, a completion in the expected format that a
 //! supervised warm start can train on.
 
