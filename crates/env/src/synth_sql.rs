@@ -12,8 +12,8 @@
 //! things no training question mentions. Templates are drawn round-robin, so every kind of
 //! question appears in both splits in similar proportions.
 //!
-//! Each row's `extra_info` carries `db_id`, `db_path`, `difficulty` (1–5), `template`, the question's
-//! `constants`, and `reference_answer`, a completion in the expected format that a
+//! Each row's `extra_info` carries `db_id`, `db_path`, `difficulty` (1–5), `template`, the
+//! question's `constants`, and `reference_answer`, a completion in the expected format that a
 //! supervised warm start can train on.
 
 use std::collections::{BTreeMap, HashMap};
