@@ -29,6 +29,8 @@ enum Command {
     Data(cmd::data::Command),
     /// Measure training and generation throughput.
     Bench(cmd::bench::Args),
+    /// Serve the Tinker HTTP API (training and sampling) for the `tinker` SDK.
+    Serve(cmd::serve::Args),
 }
 
 fn main() -> std::process::ExitCode {
@@ -47,6 +49,7 @@ fn main() -> std::process::ExitCode {
         Command::Reward(command) => cmd::reward::run(command),
         Command::Data(command) => cmd::data::run(command),
         Command::Bench(args) => cmd::bench::run(args),
+        Command::Serve(args) => cmd::serve::run(args),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

@@ -5,4 +5,5 @@ pub mod data;
 pub mod eval;
 pub mod export;
 pub mod reward;
+pub mod serve;
 pub mod train;

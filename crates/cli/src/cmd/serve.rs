@@ -1,0 +1,117 @@
+//! `floe serve`: the Tinker-protocol server, so the `tinker` SDK and cookbook train and
+//! sample floe models over HTTP (`TINKER_BASE_URL=http://HOST:PORT`).
+
+use std::collections::HashSet;
+use std::net::IpAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use floe_server::{Auth, Catalog, ServerConfig};
+use floe_trainer::config::Device;
+use floe_trainer::local::LocalEngineOptions;
+
+/// Environment variable with comma-separated accepted API keys.
+const API_KEYS_ENV: &str = "FLOE_API_KEYS";
+
+/// Flags of `floe serve`.
+#[derive(clap::Args)]
+pub struct Args {
+    /// A base model clients may train: `NAME=PATH`, where NAME is the `base_model` string
+    /// clients send (e.g. `Qwen/Qwen3-0.6B`) and PATH a Hugging Face folder or
+    /// `embedded:tiny` (a small random model). Repeat for several.
+    #[arg(long = "model", value_name = "NAME=PATH", required = true)]
+    models: Vec<String>,
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// Port to listen on.
+    #[arg(long, default_value_t = 8000)]
+    port: u16,
+    /// File of accepted API keys, one per line (`#` comments); keys in FLOE_API_KEYS
+    /// (comma-separated) are accepted too.
+    #[arg(long)]
+    api_key_file: Option<PathBuf>,
+    /// Accept requests without a key; only on a loopback host.
+    #[arg(long)]
+    insecure_loopback: bool,
+    /// Folder for checkpoints saved by clients.
+    #[arg(long, default_value = "floe-serve-data")]
+    data_dir: PathBuf,
+    /// `cpu` or `cuda:N`.
+    #[arg(long, default_value = "cpu")]
+    device: Device,
+    /// CPU threads; 0 uses every core.
+    #[arg(long, default_value_t = 0)]
+    threads: usize,
+    /// Seconds `retrieve_future` holds a poll before answering `try_again`.
+    #[arg(long, default_value_t = 30)]
+    long_poll_secs: u64,
+    /// Seconds a finished request's result stays retrievable.
+    #[arg(long, default_value_t = 3600)]
+    future_expiry_secs: u64,
+    /// Largest request body in MiB (after decompression).
+    #[arg(long, default_value_t = 256)]
+    max_body_mib: usize,
+    /// Unfinished requests per model before answering 429.
+    #[arg(long, default_value_t = 1024)]
+    max_queued: usize,
+}
+
+/// Runs `floe serve` until the process is stopped.
+pub fn run(args: Args) -> anyhow::Result<()> {
+    let catalog = Catalog::from_specs(&args.models).map_err(anyhow::Error::msg)?;
+    let auth = auth(&args)?;
+    let config = ServerConfig {
+        catalog,
+        data_dir: args.data_dir,
+        auth,
+        engine: LocalEngineOptions {
+            device: args.device,
+            threads: args.threads,
+            ..LocalEngineOptions::default()
+        },
+        long_poll: Duration::from_secs(args.long_poll_secs),
+        future_expiry: Duration::from_secs(args.future_expiry_secs),
+        max_body_bytes: args.max_body_mib << 20,
+        max_queued_per_engine: args.max_queued.max(1),
+    };
+    floe_server::serve_blocking(&args.host, args.port, config)
+}
+
+fn auth(args: &Args) -> anyhow::Result<Auth> {
+    if args.insecure_loopback {
+        let loopback = args.host == "localhost"
+            || args.host.parse::<IpAddr>().is_ok_and(|ip| ip.is_loopback());
+        if !loopback {
+            bail!(
+                "--insecure-loopback serves without API keys, so it needs a loopback --host (127.0.0.1 or ::1), not {}",
+                args.host
+            );
+        }
+        return Ok(Auth::InsecureLoopback);
+    }
+    let mut keys = HashSet::new();
+    if let Some(file) = &args.api_key_file {
+        let text = std::fs::read_to_string(file)
+            .with_context(|| format!("reading --api-key-file {}", file.display()))?;
+        keys.extend(
+            text.lines()
+                .map(str::trim)
+                .filter(|line| !line.is_empty() && !line.starts_with('#'))
+                .map(String::from),
+        );
+    }
+    if let Ok(env) = std::env::var(API_KEYS_ENV) {
+        keys.extend(
+            env.split(',')
+                .map(str::trim)
+                .filter(|k| !k.is_empty())
+                .map(String::from),
+        );
+    }
+    if keys.is_empty() {
+        bail!("no API keys: give --api-key-file or {API_KEYS_ENV}, or --insecure-loopback on 127.0.0.1");
+    }
+    Ok(Auth::Keys(keys))
+}
