@@ -322,8 +322,13 @@ pub async fn forward_backward(
     let model = app.model(&request.model_id)?;
     let datums = convert::decode_datums(&request.data, model.facts.vocab_size)
         .map_err(|e| ApiError::bad_request(format!("forward_backward: {e}")))?;
-    let loss: TinkerLoss = request
-        .loss_fn
+    // stable_reinforce's server side is proprietary; its documented local stand-in is
+    // importance_sampling over the same inputs.
+    let loss_fn = match request.loss_fn.as_str() {
+        "stable_reinforce" => "importance_sampling",
+        other => other,
+    };
+    let loss: TinkerLoss = loss_fn
         .parse()
         .map_err(|e| ApiError::bad_request(format!("forward_backward: {e}")))?;
     let config = loss_config(&request)?;

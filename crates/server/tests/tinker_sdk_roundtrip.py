@@ -64,6 +64,29 @@ def main():
         assert all(math.isfinite(l) and l <= 0.0 for l in sequence.logprobs), sequence
         assert sequence.stop_reason in ("stop", "length"), sequence
     print("samples:", [(s.tokens, s.stop_reason) for s in response.sequences])
+
+    # The RL path: importance_sampling on the samples with their sampler log-probs; at
+    # ratio 1 the loss is minus the summed advantages of the sampled positions.
+    rl_batch = []
+    expected = 0.0
+    for sequence, advantage in zip(response.sequences, (1.0, -0.5)):
+        tokens = [11, 12, 13] + list(sequence.tokens)
+        n = len(tokens) - 1
+        sampled = len(sequence.tokens)
+        rl_batch.append(
+            types.Datum(
+                model_input=types.ModelInput.from_ints(tokens[:-1]),
+                loss_fn_inputs={
+                    "target_tokens": tokens[1:],
+                    "logprobs": [0.0] * (n - sampled) + list(sequence.logprobs),
+                    "advantages": [0.0] * (n - sampled) + [advantage] * sampled,
+                },
+            )
+        )
+        expected -= advantage * sampled
+    rl = training.forward_backward(rl_batch, "importance_sampling").result()
+    assert abs(rl.metrics["loss:sum"] - expected) < 1e-2 * abs(expected) + 1e-3, (rl.metrics, expected)
+    training.optim_step(types.AdamParams(learning_rate=1e-3)).result()
     print("SDK round trip OK")
 
 
