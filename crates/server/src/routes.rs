@@ -320,7 +320,17 @@ pub async fn forward_backward(
             ApiError::bad_request(format!("forward_backward: invalid protobuf body: {e}"))
         })?;
     let model = app.model(&request.model_id)?;
-    let datums = convert::decode_datums(&request.data, model.facts.vocab_size)
+    let job = or_failed(fwdbwd_request_job(&request, &model.facts));
+    let id = app.submit_ordered(&model, i64::from(request.seq_id), job)?;
+    Ok(future_response(id, json!({ "model_id": model.id })))
+}
+
+/// The job of a decoded `forward_backward` request, or why it is invalid.
+fn fwdbwd_request_job(
+    request: &proto::ForwardBackwardRequest,
+    facts: &ModelFacts,
+) -> Result<Job, ApiError> {
+    let datums = convert::decode_datums(&request.data, facts.vocab_size)
         .map_err(|e| ApiError::bad_request(format!("forward_backward: {e}")))?;
     // stable_reinforce's server side is proprietary; its documented local stand-in is
     // importance_sampling over the same inputs.
@@ -331,10 +341,18 @@ pub async fn forward_backward(
     let loss: TinkerLoss = loss_fn
         .parse()
         .map_err(|e| ApiError::bad_request(format!("forward_backward: {e}")))?;
-    let config = loss_config(&request)?;
-    let job = fwdbwd_job(datums, loss, config, !request.forward_only);
-    let id = app.submit_ordered(&model, i64::from(request.seq_id), job)?;
-    Ok(future_response(id, json!({ "model_id": model.id })))
+    let config = loss_config(request)?;
+    Ok(fwdbwd_job(datums, loss, config, !request.forward_only))
+}
+
+/// A request that names its model and `seq_id` but is otherwise invalid still takes its
+/// turn: its future fails (`category: user`), so the model's later requests are not held
+/// behind a gap in the `seq_id`s forever.
+fn or_failed(job: Result<Job, ApiError>) -> Job {
+    match job {
+        Ok(job) => job,
+        Err(error) => Box::new(move |_| Outcome::user_error(error.detail)),
+    }
 }
 
 fn decompress(body: &[u8], limit: usize) -> Result<Vec<u8>, ApiError> {
@@ -454,11 +472,6 @@ fn forward_loss(
 /// hyper-parameters over the gradients accumulated since the last step.
 pub async fn optim_step(State(app): State<AppRef>, body: Body) -> Result<Json<Value>, ApiError> {
     let request: api::OptimStep = json_body("optim_step", body)?;
-    if request.optimizer_params.is_some() {
-        return Err(ApiError::bad_request(
-            "optim_step: only adam_params (AdamW) is supported; optimizer_params is not",
-        ));
-    }
     let adam = request.adam_params.unwrap_or_default();
     let params = OptimParams {
         lr: adam.learning_rate as f32,
@@ -469,6 +482,15 @@ pub async fn optim_step(State(app): State<AppRef>, body: Body) -> Result<Json<Va
         max_grad_norm: adam.grad_clip_norm as f32,
     };
     let model = app.model(&request.model_id)?;
+    if request.optimizer_params.is_some() {
+        let error = "optim_step: only adam_params (AdamW) is supported; optimizer_params is not";
+        let id = app.submit_ordered(
+            &model,
+            request.seq_id,
+            or_failed(Err(ApiError::bad_request(error))),
+        )?;
+        return Ok(future_response(id, json!({ "model_id": model.id })));
+    }
     let job: Job = Box::new(move |engine| match engine.optim_step(&params) {
         Ok(step) => Outcome::Json(json!({
             "type": "optim_step",
@@ -517,11 +539,13 @@ fn save_job(
 pub async fn save_weights(State(app): State<AppRef>, body: Body) -> Result<Json<Value>, ApiError> {
     let request: api::SaveWeights = json_body("save_weights", body)?;
     let model = app.model(&request.model_id)?;
-    let name = request.path.as_deref().ok_or_else(|| {
-        ApiError::bad_request("save_weights: path (the checkpoint name) is missing")
-    })?;
-    let path = TinkerPath::new(&model.id, WeightsKind::Weights, name)?;
-    let job = save_job(&app, &model, path, request.overwrite, "save_weights");
+    let job = request
+        .path
+        .as_deref()
+        .ok_or_else(|| ApiError::bad_request("save_weights: path (the checkpoint name) is missing"))
+        .and_then(|name| TinkerPath::new(&model.id, WeightsKind::Weights, name))
+        .map(|path| save_job(&app, &model, path, request.overwrite, "save_weights"));
+    let job = or_failed(job);
     let id = app.submit_ordered(&model, request.seq_id, job)?;
     Ok(future_response(id, json!({ "model_id": model.id })))
 }
@@ -537,10 +561,10 @@ pub async fn save_weights_for_sampler(
     let request: api::SaveWeights = json_body("save_weights_for_sampler", body)?;
     let model = app.model(&request.model_id)?;
     let job = match (&request.path, request.sampling_session_seq_id) {
-        (Some(name), _) => {
-            let path = TinkerPath::new(&model.id, WeightsKind::SamplerWeights, name)?;
-            save_job(&app, &model, path, true, "save_weights_for_sampler")
-        }
+        (Some(name), _) => or_failed(
+            TinkerPath::new(&model.id, WeightsKind::SamplerWeights, name)
+                .map(|path| save_job(&app, &model, path, true, "save_weights_for_sampler")),
+        ),
         (None, Some(n)) => {
             let sampler_id = format!("{}:sample:{n}", model.session_id);
             let session = SamplingSession {
@@ -564,11 +588,9 @@ pub async fn save_weights_for_sampler(
                 },
             ) as Job
         }
-        (None, None) => {
-            return Err(ApiError::bad_request(
-                "save_weights_for_sampler: give path (a name) or sampling_session_seq_id",
-            ))
-        }
+        (None, None) => or_failed(Err(ApiError::bad_request(
+            "save_weights_for_sampler: give path (a name) or sampling_session_seq_id",
+        ))),
     };
     let id = app.submit_ordered(&model, request.seq_id, job)?;
     Ok(future_response(id, json!({ "model_id": model.id })))

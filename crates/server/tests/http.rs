@@ -334,3 +334,55 @@ fn finished_futures_expire_with_410() {
     );
     assert_eq!(unknown.status, 404);
 }
+
+#[test]
+fn invalid_requests_fail_in_turn_and_a_full_queue_answers_429() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = config(dir.path());
+    config.max_queued_per_engine = 2;
+    let addr = start(config);
+    let (_, model_id) = create_model(addr);
+    // A datum whose targets are not the input shifted by one fails inside its future and
+    // still takes its seq_id, so the next request runs.
+    let mut bad = proto::ForwardBackwardRequest::decode(&fwdbwd(&model_id, 1, false)[..]).unwrap();
+    bad.data[0].loss_fn_inputs.insert(
+        "target_tokens".into(),
+        tensor(
+            [9i64, 9, 9, 9]
+                .iter()
+                .flat_map(|t| t.to_le_bytes())
+                .collect(),
+            proto::DTYPE_INT64,
+            4,
+        ),
+    );
+    let failed = retrieve(
+        addr,
+        &request_id(&post_proto(addr, "forward_backward", &bad.encode_to_vec())),
+    );
+    let failure = failed.json();
+    assert_eq!(failure["category"], "user");
+    assert!(
+        failure["error"]
+            .as_str()
+            .unwrap()
+            .contains("shifted by one"),
+        "{failure}"
+    );
+    let next = request_id(&post_proto(
+        addr,
+        "forward_backward",
+        &fwdbwd(&model_id, 2, true),
+    ));
+    loss_of(&retrieve(addr, &next));
+
+    // seq 3 is missing: 4 and 5 wait for it, and the queue (2) is then full.
+    request_id(&post_json(addr, "optim_step", &optim(&model_id, 4)));
+    request_id(&post_json(addr, "optim_step", &optim(&model_id, 5)));
+    let full = post_json(addr, "optim_step", &optim(&model_id, 6));
+    assert_eq!(full.status, 429);
+    assert!(full.json()["detail"]
+        .as_str()
+        .unwrap()
+        .contains("unfinished"));
+}
