@@ -17,6 +17,7 @@ fn floe_train(run_dir: &Path) -> Command {
             "data.synthetic_train_size=32".into(),
             "data.synthetic_val_size=8".into(),
             format!("trainer.max_training_steps={STEPS}"),
+            "trainer.max_prompt_length=1024".into(),
             "trainer.train_batch_size=4".into(),
             "trainer.policy_mini_batch_size=2".into(),
             "trainer.micro_train_batch_size_per_gpu=4".into(),
