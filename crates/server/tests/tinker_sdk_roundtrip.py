@@ -87,6 +87,22 @@ def main():
     rl = training.forward_backward(rl_batch, "importance_sampling").result()
     assert abs(rl.metrics["loss:sum"] - expected) < 1e-2 * abs(expected) + 1e-3, (rl.metrics, expected)
     training.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+    # Checkpoints: save the state, resume it (weights and AdamW moments) as a new training
+    # client, and sample a named sampler checkpoint through its own sampling session.
+    before = training.forward(batch, "cross_entropy").result().metrics["loss:sum"]
+    state_path = training.save_state("resume-me").result().path
+    assert state_path.startswith("tinker://") and state_path.endswith("/weights/resume-me"), state_path
+    resumed = service.create_training_client_from_state_with_optimizer(state_path)
+    after = resumed.forward(batch, "cross_entropy").result().metrics["loss:sum"]
+    assert abs(after - before) < 1e-3 * abs(before), (before, after)
+    sampler_path = training.save_weights_for_sampler("snapshot-1").result().path
+    checkpoint_sampler = service.create_sampling_client(model_path=sampler_path)
+    again = checkpoint_sampler.sample(
+        prompt=types.ModelInput.from_ints([11, 12]),
+        num_samples=1,
+        sampling_params=types.SamplingParams(max_tokens=2, temperature=0.0),
+    ).result()
+    assert len(again.sequences) == 1 and again.sequences[0].logprobs is not None, again
     print("SDK round trip OK")
 
 
