@@ -233,11 +233,22 @@ impl Rollouts {
                 return Err(err);
             }
             for done in scored {
-                let (env, step) = done.result?;
                 let l = &mut live[done.id as usize];
-                l.env = Some(env);
-                let step = step?;
-                self.finish_turn(l, step, turn + 1)?;
+                match done.result {
+                    Ok((env, step)) => {
+                        l.env = Some(env);
+                        self.finish_turn(l, step?, turn + 1)?;
+                    }
+                    // A panicking environment (a bug in its scoring) loses its trajectory's
+                    // reward, not the run: the trajectory ends with what it has.
+                    Err(err) => {
+                        tracing::warn!("{err}; the trajectory ends unscored");
+                        l.trajectory.turns = turn + 1;
+                        l.turn_metrics
+                            .push(BTreeMap::from([("scoring_panicked".to_string(), 1.0)]));
+                        l.done = true;
+                    }
+                }
             }
         }
         let trajectories = live
