@@ -311,17 +311,22 @@ fn training_runs_in_seq_order_and_gradients_accumulate_until_optim_step() {
 }
 
 #[test]
-fn finished_futures_expire_with_410() {
+fn zstd_bodies_are_read_and_finished_futures_expire_with_410() {
     let dir = tempfile::tempdir().unwrap();
     let mut config = config(dir.path());
     config.future_expiry = Duration::from_millis(200);
     let addr = start(config);
     let (_, model_id) = create_model(addr);
-    let id = request_id(&post_proto(
+    // A zstd-compressed body (the SDK's proto_compress_fwdbwd).
+    let compressed = zstd::encode_all(&fwdbwd(&model_id, 1, true)[..], 3).unwrap();
+    let submitted = request(
         addr,
-        "forward_backward",
-        &fwdbwd(&model_id, 1, true),
-    ));
+        "POST",
+        "/api/v1/forward_backward",
+        &[("X-API-Key", KEY), ("Content-Encoding", "zstd")],
+        &compressed,
+    );
+    let id = request_id(&submitted);
     loss_of(&retrieve(addr, &id));
     std::thread::sleep(Duration::from_millis(800));
     let gone = post_json(addr, "retrieve_future", &json!({"request_id": id}));
