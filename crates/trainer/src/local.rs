@@ -51,6 +51,12 @@ const DEFAULT_HOST_KV_BYTES: usize = 512 << 20;
 /// training activations.
 const KV_SHARE_OF_FREE_MEMORY: f64 = 0.5;
 
+/// The sub-folder of a saved engine state that holds the policy's weights as an f32
+/// Hugging Face folder (what `floe export` reads).
+pub fn saved_model_dir(state_dir: &Path) -> PathBuf {
+    state_dir.join(MODEL_DIR)
+}
+
 /// How a [`LocalEngine`] is sized.
 #[derive(Clone, Debug, PartialEq)]
 pub struct LocalEngineOptions {
@@ -913,10 +919,4 @@ fn remove_dir_if_present(dir: &Path) -> Result<()> {
         }),
         _ => Ok(()),
     }
-}
-
-/// The sub-folder of a saved engine state that holds the policy's weights as an f32
-/// Hugging Face folder (what `floe export` reads).
-pub fn saved_model_dir(state_dir: &Path) -> PathBuf {
-    state_dir.join(MODEL_DIR)
 }

@@ -165,7 +165,9 @@ fn forward_logprobs_equal_the_samplers() {
                 .collect(),
         })
         .collect();
-    let scored = engine.forward(&groups, Weights::Policy, temperature).unwrap();
+    let scored = engine
+        .forward(&groups, Weights::Policy, temperature)
+        .unwrap();
     for generation in &generations {
         let out = &scored[generation.request_id as usize][generation.sample_index];
         assert_eq!(out.logprobs.len(), generation.tokens.len());
@@ -202,7 +204,12 @@ fn micro_batch_split_does_not_change_the_step() {
     let step_b = split.optim_step(&OPTIM).unwrap();
     assert!(step_a.grad_norm > 0.0);
     let rel = (step_a.grad_norm - step_b.grad_norm).abs() / step_a.grad_norm;
-    assert!(rel <= 1e-5, "grad norms {} vs {}", step_a.grad_norm, step_b.grad_norm);
+    assert!(
+        rel <= 1e-5,
+        "grad norms {} vs {}",
+        step_a.grad_norm,
+        step_b.grad_norm
+    );
     // Gradients sum in a different order, so f32 weights may differ in the last bits.
     for ((name, wa), (_, wb)) in weights(&whole).iter().zip(&weights(&split)) {
         for (x, y) in wa.data.iter().zip(&wb.data) {
@@ -285,7 +292,10 @@ fn bad_requests_name_what_is_wrong() {
         .forward(&groups, Weights::Policy, 1.0)
         .unwrap_err()
         .to_string();
-    assert!(err.contains("group 0 response 0") && err.contains("500"), "{err}");
+    assert!(
+        err.contains("group 0 response 0") && err.contains("500"),
+        "{err}"
+    );
     let err = engine
         .forward(&sequence_groups(), Weights::Reference, 1.0)
         .unwrap_err()
@@ -303,4 +313,44 @@ fn bad_requests_name_what_is_wrong() {
         .unwrap_err()
         .to_string();
     assert!(err.contains("group 1 response 2: advantages"), "{err}");
+}
+
+#[test]
+fn options_from_config_fit_the_longest_sequence() {
+    let mut config = floe_trainer::Config::default();
+    config.trainer.max_prompt_length = 100;
+    config.generator.sampling_params.max_generate_length = 50;
+    config.generator.eval_sampling_params.max_generate_length = 20;
+    config.trainer.micro_train_batch_size_per_gpu = 4;
+    assert_eq!(
+        LocalEngineOptions::from_config(&config).max_tokens_per_microbatch,
+        4 * 150
+    );
+    config.trainer.max_tokens_per_microbatch = 1000;
+    assert_eq!(
+        LocalEngineOptions::from_config(&config).max_tokens_per_microbatch,
+        1000
+    );
+    // A budget below one whole sequence is raised to it, so every rollout packs.
+    config.trainer.max_tokens_per_microbatch = 10;
+    assert_eq!(
+        LocalEngineOptions::from_config(&config).max_tokens_per_microbatch,
+        150
+    );
+}
+
+#[test]
+fn an_unavailable_cuda_device_is_a_clear_error() {
+    let options = LocalEngineOptions {
+        device: floe_trainer::config::Device::Cuda(0),
+        ..LocalEngineOptions::default()
+    };
+    let source = ModelSource::Random {
+        config: tiny_config(),
+        seed: 0,
+    };
+    // Without the `cuda` feature, or without a driver, opening fails and names the device.
+    if let Err(err) = AnyLocalEngine::open(source, None, options) {
+        assert!(err.to_string().starts_with("device `cuda:0`: "), "{err}");
+    }
 }
