@@ -1,0 +1,162 @@
+//! The sampler on the CUDA backend (bf16 KV cache and logits) against the trainer's
+//! forward on the same device and against the CPU. Skipped, with a note, where floe was
+//! built without `--features floe-backend/cuda` or no GPU is present.
+
+use std::sync::Arc;
+
+use floe_backend::cpu::CpuBackend;
+use floe_backend::cuda::CudaBackend;
+use floe_backend::Backend;
+use floe_engine::{CachedModel, Generation, SampleRequest, Sampler, SamplerConfig, SamplingParams};
+use floe_model::batch::PackedBatch;
+use floe_model::transformer::Transformer;
+use floe_model::{Architecture, ModelConfig};
+
+const VOCAB: usize = 512;
+
+fn model_config() -> ModelConfig {
+    ModelConfig {
+        architecture: Architecture::Qwen3,
+        vocab_size: VOCAB,
+        hidden_size: 128,
+        intermediate_size: 256,
+        num_hidden_layers: 2,
+        num_attention_heads: 4,
+        num_key_value_heads: 2,
+        head_dim: 32,
+        rms_norm_eps: 1e-6,
+        rope_theta: 10_000.0,
+        rope_scaling: None,
+        max_position_embeddings: 1024,
+        tie_word_embeddings: true,
+        attention_bias: false,
+        qk_norm: true,
+        bos_token_id: None,
+        eos_token_ids: vec![],
+    }
+}
+
+fn requests() -> Vec<SampleRequest> {
+    (0..6u64)
+        .map(|id| SampleRequest {
+            id,
+            prompt: (0..5 + 11 * id as usize)
+                .map(|i| ((id as usize * 37 + i * 13 + 1) % VOCAB) as u32)
+                .collect(),
+            n: 4,
+            params: SamplingParams {
+                max_new_tokens: 24,
+                seed: Some(id),
+                ..SamplingParams::default()
+            },
+        })
+        .collect()
+}
+
+fn sampler_config(num_blocks: usize, block_size: usize, budget: usize) -> SamplerConfig {
+    SamplerConfig {
+        num_blocks,
+        block_size,
+        max_tokens_per_step: budget,
+        max_running_seqs: 64,
+        seed: 0,
+    }
+}
+
+/// Largest |sampler log-prob − trainer log-prob| over every sampled token.
+fn logprob_gap<B: Backend>(
+    model: &Transformer<B>,
+    requests: &[SampleRequest],
+    out: &[Generation],
+) -> f64 {
+    let mut batch = PackedBatch::default();
+    let rows: Vec<_> = out
+        .iter()
+        .map(|g| {
+            let prompt = &requests[g.request_id as usize].prompt;
+            let scored = batch.push_sequence(&[&prompt[..], &g.tokens[..]].concat());
+            scored.end - g.tokens.len()..scored.end
+        })
+        .collect();
+    let stats = model.forward(&batch, 1.0).unwrap();
+    out.iter()
+        .zip(rows)
+        .flat_map(|(g, rows)| {
+            g.logprobs
+                .iter()
+                .zip(&stats.logprobs[rows])
+                .map(|(s, t)| (f64::from(*s) - t).abs())
+                .collect::<Vec<_>>()
+        })
+        .fold(0.0, f64::max)
+}
+
+/// Fraction of sampled tokens equal between two runs of the same requests.
+fn agreement(a: &[Generation], b: &[Generation]) -> f64 {
+    let (mut same, mut total) = (0usize, 0usize);
+    for (x, y) in a.iter().zip(b) {
+        for (s, t) in x.tokens.iter().zip(&y.tokens) {
+            same += usize::from(s == t);
+            total += 1;
+        }
+    }
+    same as f64 / total as f64
+}
+
+fn generate<M: CachedModel>(
+    model: &M,
+    config: SamplerConfig,
+    requests: &[SampleRequest],
+) -> Vec<Generation> {
+    Sampler::new(model, config)
+        .unwrap()
+        .generate(model, requests.to_vec())
+        .unwrap()
+}
+
+#[test]
+fn sampler_on_cuda_agrees_with_the_trainer_and_the_cpu() {
+    let cuda = match CudaBackend::new(0) {
+        Ok(cuda) => Arc::new(cuda),
+        Err(e) => {
+            eprintln!("skipping the CUDA sampler test: {e}");
+            return;
+        }
+    };
+    // Weights 8× the default init so the next-token distributions are peaked: reading a
+    // wrong key or value then moves log-probs by far more than bf16 rounding does.
+    let cpu_backend = Arc::new(CpuBackend::<f32>::new());
+    let mut weights = Transformer::new_random(cpu_backend.clone(), model_config(), 3)
+        .unwrap()
+        .to_host_weights()
+        .unwrap();
+    for (name, tensor) in &mut weights {
+        if !name.ends_with("norm.weight") {
+            tensor.data.iter_mut().for_each(|w| *w *= 8.0);
+        }
+    }
+    let cpu = Transformer::from_host_weights(cpu_backend, model_config(), &weights).unwrap();
+    let gpu = Transformer::from_host_weights(cuda, model_config(), &weights).unwrap();
+    let requests = requests();
+
+    let roomy = generate(&gpu, sampler_config(256, 16, 4096), &requests);
+    // Chunked prefill, shared prompt blocks and preemption.
+    let mut tight_sampler = Sampler::new(&gpu, sampler_config(20, 8, 48)).unwrap();
+    let tight = tight_sampler.generate(&gpu, requests.clone()).unwrap();
+    assert!(tight_sampler.stats().preemptions > 0);
+    let on_cpu = generate(&cpu, sampler_config(256, 16, 4096), &requests);
+
+    let roomy_gap = logprob_gap(&gpu, &requests, &roomy);
+    let tight_gap = logprob_gap(&gpu, &requests, &tight);
+    let cpu_gap = logprob_gap(&cpu, &requests, &on_cpu);
+    eprintln!(
+        "sampler vs trainer log-prob max |Δ|: cuda {roomy_gap:.2e}, cuda chunked/shared/preempted \
+         {tight_gap:.2e}, cpu f32 {cpu_gap:.2e}; tokens equal across batch shapes {:.1}%, \
+         cuda vs cpu {:.1}%",
+        100.0 * agreement(&roomy, &tight),
+        100.0 * agreement(&roomy, &on_cpu)
+    );
+    assert!(cpu_gap < 1e-3, "cpu: {cpu_gap}");
+    assert!(roomy_gap < 0.1, "cuda: {roomy_gap}");
+    assert!(tight_gap < 0.1, "cuda, tight: {tight_gap}");
+}
