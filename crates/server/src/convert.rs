@@ -267,3 +267,91 @@ pub fn sample_response(generations: &[Generation], prompt_logprobs: Option<&[f64
         prompt_cache_hit_tokens: 0,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dense(values: Vec<u8>, dtype: i32) -> proto::Tensor {
+        proto::Tensor {
+            encoding: Some(proto::tensor::Encoding::Dense(values)),
+            dtype,
+            shape: Vec::new(),
+        }
+    }
+
+    fn datum(input: &[i32], targets: &[i64], weights: &[f32]) -> proto::Datum {
+        proto::Datum {
+            model_input: vec![proto::Chunk {
+                chunk: Some(proto::chunk::Chunk::EncodedText(proto::EncodedTextChunk {
+                    tokens: input.iter().flat_map(|t| t.to_le_bytes()).collect(),
+                })),
+            }],
+            loss_fn_inputs: HashMap::from([
+                (
+                    "target_tokens".to_string(),
+                    dense(
+                        targets.iter().flat_map(|t| t.to_le_bytes()).collect(),
+                        proto::DTYPE_INT64,
+                    ),
+                ),
+                (
+                    "weights".to_string(),
+                    dense(
+                        weights.iter().flat_map(|w| w.to_le_bytes()).collect(),
+                        proto::DTYPE_FLOAT32,
+                    ),
+                ),
+            ]),
+        }
+    }
+
+    #[test]
+    fn a_datum_becomes_a_one_token_prompt_and_its_targets() {
+        let decoded = decode_datums(&[datum(&[5, 6, 7], &[6, 7, 8], &[0.0, 1.0, -2.0])], 10)
+            .unwrap()
+            .remove(0);
+        let group = decoded.train_group();
+        assert_eq!(group.prompt, vec![5]);
+        assert_eq!(group.responses[0].tokens, vec![6, 7, 8]);
+        assert_eq!(group.responses[0].loss_mask, vec![0.0, 1.0, -2.0]);
+        assert_eq!(group.responses[0].advantages, vec![0.0; 3]);
+    }
+
+    #[test]
+    fn malformed_datums_are_named() {
+        let unshifted = decode_datums(&[datum(&[5, 6, 7], &[6, 9, 8], &[1.0; 3])], 10);
+        assert!(unshifted
+            .unwrap_err()
+            .contains("datum 0: target_tokens[1] is 9"));
+        let short = decode_datums(&[datum(&[5, 6, 7], &[6, 7], &[1.0; 3])], 10);
+        assert!(short.unwrap_err().contains("has 2 values for 3"));
+        let out_of_vocab = decode_datums(&[datum(&[5, 6, 7], &[6, 7, 12], &[1.0; 3])], 10);
+        assert!(out_of_vocab.unwrap_err().contains("vocabulary size 10"));
+    }
+
+    #[test]
+    fn outputs_carry_byte_offsets_per_datum() {
+        let outputs = vec![
+            vec![TokenOutputs {
+                logprobs: vec![-1.0, -2.0],
+                entropy: vec![0.0; 2],
+            }],
+            vec![TokenOutputs {
+                logprobs: vec![-0.5],
+                entropy: vec![0.0],
+            }],
+        ];
+        let bytes = forward_backward_output(&outputs, HashMap::from([("loss:sum".into(), 3.5)]));
+        let decoded: proto::ForwardBackwardOutput = prost::Message::decode(&bytes[..]).unwrap();
+        let logprobs = &decoded.loss_fn_outputs[0].fields["logprobs"];
+        let offsets: Vec<i64> = logprobs
+            .offsets
+            .chunks_exact(8)
+            .map(|b| i64::from_le_bytes(b.try_into().unwrap()))
+            .collect();
+        assert_eq!(offsets, vec![0, 8, 12]);
+        assert_eq!(decoded.loss_fn_outputs[0].num_datums, 2);
+        assert_eq!(decoded.metrics["loss:sum"], 3.5);
+    }
+}
