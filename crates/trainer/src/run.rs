@@ -563,7 +563,13 @@ pub fn run_loop<E: Engine>(
             metrics["timing/step"]
         ));
         if console {
-            bar.println(step_line(step, total_steps, &metrics));
+            // A hidden bar (output not a terminal) drops its println; print directly then.
+            let line = step_line(step, total_steps, &metrics);
+            if bar.is_hidden() {
+                println!("{line}");
+            } else {
+                bar.println(line);
+            }
         }
 
         // 6. Eval and checkpoint on their intervals and after the last step; the step's
