@@ -1,10 +1,362 @@
-//! `floe bench`.
+//! `floe bench`: throughput of training steps and of generation, on the shapes
+//! `/work/shared/bench/peer_torch.py` measures, so the two print comparable numbers.
+//!
+//! - `train`: tokens/s of forward + backward + AdamW step (global-norm clip 1.0) on random
+//!   tokens, `batch × seq` per optimizer step, loss `−mean(0.01 · log p(token))` over every
+//!   position, the peer's loss.
+//! - `generate`: new tokens/s of the sampler at temperature 1 with every sequence forced to
+//!   `--new` tokens, all `batch` prompts submitted at once (continuous batching, paged KV).
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{bail, Context};
+use floe_backend::cpu::CpuBackend;
+use floe_backend::cuda::CudaBackend;
+use floe_backend::Backend;
+use floe_engine::policy::{OptimParams, Policy};
+use floe_engine::{SampleRequest, Sampler, SamplerConfig, SamplingParams};
+use floe_model::batch::PackedBatch;
+use floe_model::transformer::Transformer;
+use floe_model::{weights, ModelConfig};
+use floe_trainer::config::Device;
+use serde_json::{json, Value};
+
+/// Peak dense bf16 throughput the MFU figure divides by, the peer script's ceiling.
+const PEAK_FLOPS: f64 = 790e12;
+
+/// What to measure.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Mode {
+    /// Forward, backward and optimizer step.
+    Train,
+    /// Sampling with the continuous-batching sampler.
+    Generate,
+}
 
 /// Flags of `floe bench`.
 #[derive(clap::Args)]
-pub struct Args {}
+pub struct Args {
+    /// `train` or `generate`.
+    mode: Mode,
+    /// `cpu` or `cuda:N`.
+    #[arg(long, default_value = "cpu")]
+    device: Device,
+    /// A Qwen3 shape (`tiny`, `0.6B`, `1.7B`, `4B`, `8B`) or a Hugging Face folder.
+    #[arg(long, default_value = "tiny")]
+    model: String,
+    /// Random weights (a folder's `config.json` gives only the shape); shapes named by
+    /// preset always use random weights.
+    #[arg(long)]
+    random_init: bool,
+    /// Sequences per step; a comma-separated list measures each. Default: 8 for train,
+    /// 64,256 for generate.
+    #[arg(long, value_delimiter = ',')]
+    batch: Vec<usize>,
+    /// Tokens per training sequence.
+    #[arg(long, default_value_t = 2048)]
+    seq: usize,
+    /// Prompt tokens per generated sequence.
+    #[arg(long, default_value_t = 256)]
+    prompt: usize,
+    /// New tokens per generated sequence.
+    #[arg(long, default_value_t = 256)]
+    new: usize,
+    /// Recompute activations in the backward (the peer's gradient checkpointing);
+    /// `--recompute=false` keeps them.
+    #[arg(long, default_value_t = true, num_args = 0..=1, default_missing_value = "true")]
+    recompute: bool,
+    /// Most tokens per sampler step (prefill chunks plus decodes).
+    #[arg(long, default_value_t = 8192)]
+    max_tokens_per_step: usize,
+    /// Timed iterations (train).
+    #[arg(long, default_value_t = 5)]
+    iters: usize,
+    /// Untimed iterations first (train; generate always warms up with one short run).
+    #[arg(long, default_value_t = 2)]
+    warmup: usize,
+    /// CPU threads; 0 uses every core.
+    #[arg(long, default_value_t = 0)]
+    threads: usize,
+    /// Print only the `RESULT {...}` lines.
+    #[arg(long)]
+    json: bool,
+}
 
 /// Runs `floe bench`.
-pub fn run(_args: Args) -> anyhow::Result<()> {
-    anyhow::bail!("`floe bench` is not built yet")
+pub fn run(args: Args) -> anyhow::Result<()> {
+    let (config, host_dir) = model_shape(&args)?;
+    match args.device {
+        Device::Cpu => {
+            if args.threads > 0 {
+                rayon::ThreadPoolBuilder::new()
+                    .num_threads(args.threads)
+                    .build_global()
+                    .context("setting the CPU thread pool")?;
+            }
+            bench(Arc::new(CpuBackend::<f32>::new()), &args, config, host_dir)
+        }
+        Device::Cuda(ordinal) => {
+            let backend = CudaBackend::new(ordinal)
+                .with_context(|| format!("opening device {}", args.device))?;
+            bench(Arc::new(backend), &args, config, host_dir)
+        }
+    }
+}
+
+/// The model's shape, and the folder to load weights from unless they are random.
+fn model_shape(args: &Args) -> anyhow::Result<(ModelConfig, Option<PathBuf>)> {
+    if let Ok(config) = ModelConfig::preset(&args.model) {
+        return Ok((config, None));
+    }
+    let dir = PathBuf::from(&args.model);
+    if !dir.join("config.json").is_file() {
+        bail!(
+            "--model `{}` is neither a preset (tiny, 0.6B, 1.7B, 4B, 8B) nor a folder with a \
+             config.json",
+            args.model
+        );
+    }
+    let config = ModelConfig::from_hf_file(dir.join("config.json"))
+        .with_context(|| format!("reading {}", dir.join("config.json").display()))?;
+    Ok((config, (!args.random_init).then_some(dir)))
+}
+
+fn load_model<B: Backend>(
+    backend: Arc<B>,
+    config: ModelConfig,
+    dir: Option<&PathBuf>,
+) -> anyhow::Result<Transformer<B>> {
+    Ok(match dir {
+        Some(dir) => {
+            let (config, host) = weights::load_model_dir(dir)
+                .with_context(|| format!("loading weights from {}", dir.display()))?;
+            Transformer::from_host_weights(backend, config, &host)?
+        }
+        None => Transformer::new_random(backend, config, 0)?,
+    })
+}
+
+fn bench<B: Backend>(
+    backend: Arc<B>,
+    args: &Args,
+    config: ModelConfig,
+    dir: Option<PathBuf>,
+) -> anyhow::Result<()> {
+    let batches = match (args.batch.is_empty(), args.mode) {
+        (false, _) => args.batch.clone(),
+        (true, Mode::Train) => vec![8],
+        (true, Mode::Generate) => vec![64, 256],
+    };
+    if batches.contains(&0) {
+        bail!("--batch must be positive");
+    }
+    let device = backend.name();
+    let params = config.num_parameters();
+    let model = load_model(Arc::clone(&backend), config, dir.as_ref())?;
+    let mut results = Vec::new();
+    match args.mode {
+        Mode::Train => {
+            if args.seq < 2 || args.iters == 0 {
+                bail!("train needs --seq of at least 2 and --iters of at least 1");
+            }
+            let mut policy = Policy::new(model);
+            policy.set_recompute(args.recompute);
+            for &batch in &batches {
+                results.push(bench_train(&mut policy, args, batch)?);
+            }
+        }
+        Mode::Generate => {
+            if args.prompt == 0 || args.new == 0 {
+                bail!("generate needs --prompt and --new of at least 1");
+            }
+            for &batch in &batches {
+                results.push(bench_generate(&model, args, batch)?);
+            }
+        }
+    }
+    let load = std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .and_then(|text| text.split_whitespace().next().map(str::to_string));
+    for result in &mut results {
+        let extra = json!({
+            "model": args.model,
+            "params": params,
+            "device": device,
+            "load_avg_1m": load,
+        });
+        result
+            .as_object_mut()
+            .expect("results are objects")
+            .extend(extra.as_object().expect("object").clone());
+    }
+    if !args.json {
+        print_table(args.mode, &results);
+    }
+    for result in &results {
+        println!("RESULT {result}");
+    }
+    Ok(())
+}
+
+/// Tokens in `1..vocab − 100` from a fixed xorshift stream (the peer draws below
+/// `vocab − 100` too).
+fn random_tokens(count: usize, vocab: usize, seed: u64) -> Vec<u32> {
+    let range = vocab.saturating_sub(101).max(1) as u64;
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..count)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            1 + (x % range) as u32
+        })
+        .collect()
+}
+
+fn bench_train<B: Backend>(
+    policy: &mut Policy<B>,
+    args: &Args,
+    batch: usize,
+) -> anyhow::Result<Value> {
+    let vocab = policy.model().config().vocab_size;
+    let sequences: Vec<Vec<u32>> = (0..batch)
+        .map(|i| random_tokens(args.seq, vocab, i as u64 + 1))
+        .collect();
+    let packed = PackedBatch::from_sequences(&sequences)?;
+    let rows = packed.len();
+    let optim = OptimParams {
+        lr: 1e-6,
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+        weight_decay: 0.01,
+        max_grad_norm: 1.0,
+    };
+    let backend = Arc::clone(policy.model().backend());
+    let step = |policy: &mut Policy<B>| -> anyhow::Result<()> {
+        policy.forward_backward(&packed, 1.0, &mut |_| {
+            Ok((vec![-0.01 / rows as f64; rows], vec![0.0; rows]))
+        })?;
+        policy.optim_step(&optim)?;
+        Ok(())
+    };
+    for _ in 0..args.warmup {
+        step(policy)?;
+    }
+    backend.synchronize()?;
+    let start = Instant::now();
+    for _ in 0..args.iters {
+        step(policy)?;
+    }
+    backend.synchronize()?;
+    let step_s = start.elapsed().as_secs_f64() / args.iters as f64;
+    let tok_s = (batch * args.seq) as f64 / step_s;
+    let params = policy.model().config().num_parameters() as f64;
+    Ok(json!({
+        "mode": "train",
+        "batch": batch,
+        "seq": args.seq,
+        "recompute": args.recompute,
+        "tok_s": tok_s,
+        "step_s": step_s,
+        "mfu_6n": 6.0 * params * tok_s / PEAK_FLOPS,
+        "iters": args.iters,
+        "warmup": args.warmup,
+    }))
+}
+
+fn bench_generate<B: Backend>(
+    model: &Transformer<B>,
+    args: &Args,
+    batch: usize,
+) -> anyhow::Result<Value> {
+    let config = SamplerConfig {
+        // Room for every sequence at full length, so nothing is preempted.
+        num_blocks: batch * (args.prompt + args.new).div_ceil(16) + batch,
+        block_size: 16,
+        max_tokens_per_step: args.max_tokens_per_step.max(batch),
+        max_running_seqs: batch,
+        seed: 0,
+    };
+    let vocab = model.config().vocab_size;
+    let requests = |new: usize| -> Vec<SampleRequest> {
+        (0..batch)
+            .map(|i| SampleRequest {
+                id: i as u64,
+                prompt: random_tokens(args.prompt, vocab, 1000 + i as u64),
+                n: 1,
+                params: SamplingParams {
+                    temperature: 1.0,
+                    max_new_tokens: new,
+                    seed: Some(i as u64),
+                    force_full_length: true,
+                    ..SamplingParams::default()
+                },
+            })
+            .collect()
+    };
+    let mut sampler = Sampler::new(model, config)?;
+    // Warm-up, as the peer does: the same batch for a few tokens.
+    sampler.generate(model, requests(args.new.min(8)))?;
+    sampler.reset_stats();
+    model.backend().synchronize()?;
+    let start = Instant::now();
+    let generations = sampler.generate(model, requests(args.new))?;
+    model.backend().synchronize()?;
+    let seconds = start.elapsed().as_secs_f64();
+    let new_tokens: usize = generations.iter().map(|g| g.tokens.len()).sum();
+    let stats = sampler.stats();
+    Ok(json!({
+        "mode": "gen",
+        "batch": batch,
+        "prompt": args.prompt,
+        "new": args.new,
+        "new_tok_s": new_tokens as f64 / seconds,
+        "seconds": seconds,
+        "steps": stats.steps,
+        "preemptions": stats.preemptions,
+        "model_s": stats.model_time.as_secs_f64(),
+    }))
+}
+
+fn print_table(mode: Mode, results: &[Value]) {
+    let field = |r: &Value, key: &str| r[key].to_string();
+    match mode {
+        Mode::Train => {
+            println!(
+                "{:<8} {:>6} {:>6} {:>10} {:>12} {:>9}",
+                "model", "batch", "seq", "recompute", "tokens/s", "step s"
+            );
+            for r in results {
+                println!(
+                    "{:<8} {:>6} {:>6} {:>10} {:>12.1} {:>9.3}",
+                    r["model"].as_str().unwrap_or("?"),
+                    field(r, "batch"),
+                    field(r, "seq"),
+                    field(r, "recompute"),
+                    r["tok_s"].as_f64().unwrap_or(0.0),
+                    r["step_s"].as_f64().unwrap_or(0.0),
+                );
+            }
+        }
+        Mode::Generate => {
+            println!(
+                "{:<8} {:>6} {:>7} {:>5} {:>14} {:>9}",
+                "model", "batch", "prompt", "new", "new tokens/s", "seconds"
+            );
+            for r in results {
+                println!(
+                    "{:<8} {:>6} {:>7} {:>5} {:>14.1} {:>9.3}",
+                    r["model"].as_str().unwrap_or("?"),
+                    field(r, "batch"),
+                    field(r, "prompt"),
+                    field(r, "new"),
+                    r["new_tok_s"].as_f64().unwrap_or(0.0),
+                    r["seconds"].as_f64().unwrap_or(0.0),
+                );
+            }
+        }
+    }
 }
