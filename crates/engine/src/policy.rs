@@ -20,6 +20,10 @@ use serde::{Deserialize, Serialize};
 
 use crate::{Error, Result};
 
+/// Turns a micro-batch's per-row stats into `(dL/dlogprob, dL/dentropy)` per row.
+pub type LossGrad<'a> =
+    dyn FnMut(&TokenStats) -> floe_model::transformer::Result<(Vec<f64>, Vec<f64>)> + 'a;
+
 /// AdamW hyper-parameters and clipping of one optimizer step.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct OptimParams {
@@ -107,9 +111,7 @@ impl<B: Backend> Policy<B> {
         &mut self,
         batch: &PackedBatch,
         logit_scale: f32,
-        loss_grad: &mut dyn FnMut(
-            &TokenStats,
-        ) -> floe_model::transformer::Result<(Vec<f64>, Vec<f64>)>,
+        loss_grad: &mut LossGrad<'_>,
     ) -> Result<TokenStats> {
         Ok(self.model.forward_backward(batch, logit_scale, loss_grad)?)
     }

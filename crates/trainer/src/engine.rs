@@ -74,6 +74,8 @@ pub struct TrainGroup {
 /// The loss a [`Engine::forward_backward`] call differentiates. One call is one
 /// mini-batch: reductions use the totals of the whole call, however the engine splits it
 /// into micro-batches.
+// One value per call: boxing the config would only burden every caller.
+#[allow(clippy::large_enum_variant)]
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub enum Loss {
     /// floe's RL policy loss (`floe_rl::compute_policy_loss`) with this configuration.

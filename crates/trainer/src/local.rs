@@ -601,9 +601,9 @@ impl<B: Backend> Engine for LocalEngine<B> {
 /// type whatever the device.
 pub enum AnyLocalEngine {
     /// The CPU reference backend (f32).
-    Cpu(LocalEngine<CpuBackend<f32>>),
+    Cpu(Box<LocalEngine<CpuBackend<f32>>>),
     /// A CUDA device.
-    Cuda(LocalEngine<CudaBackend>),
+    Cuda(Box<LocalEngine<CudaBackend>>),
 }
 
 impl AnyLocalEngine {
@@ -625,21 +625,16 @@ impl AnyLocalEngine {
                         .build_global();
                 }
                 let backend = Arc::new(CpuBackend::<f32>::new());
-                Ok(Self::Cpu(LocalEngine::new(
-                    backend, source, tokenizer, options,
-                )?))
+                let engine = LocalEngine::new(backend, source, tokenizer, options)?;
+                Ok(Self::Cpu(Box::new(engine)))
             }
             Device::Cuda(ordinal) => {
                 let backend = CudaBackend::new(ordinal).map_err(|source| Error::Device {
                     device: options.device.to_string(),
                     source,
                 })?;
-                Ok(Self::Cuda(LocalEngine::new(
-                    Arc::new(backend),
-                    source,
-                    tokenizer,
-                    options,
-                )?))
+                let engine = LocalEngine::new(Arc::new(backend), source, tokenizer, options)?;
+                Ok(Self::Cuda(Box::new(engine)))
             }
         }
     }
