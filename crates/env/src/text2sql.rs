@@ -107,7 +107,10 @@ pub fn extract_sql(response: &str) -> Option<String> {
         .captures_iter(text)
         .filter_map(|c| {
             let body = c.get(1).expect("group 1 always participates").as_str();
-            if body.len() >= 4 && body[..4].eq_ignore_ascii_case("json") {
+            if body
+                .get(..4)
+                .is_some_and(|head| head.eq_ignore_ascii_case("json"))
+            {
                 return None;
             }
             let code = match info_line.find(body) {

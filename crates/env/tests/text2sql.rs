@@ -352,3 +352,12 @@ fn think_tag_check() {
     assert!(!think_tags_ok("</think><think>"));
     assert!(!think_tags_ok("<think><think></think>"));
 }
+
+/// A fence whose first bytes are not ASCII must not split a character (the `json` check
+/// once sliced four bytes and panicked on such text).
+#[test]
+fn fence_starting_with_multibyte_text_is_read_not_panicked_on() {
+    let response = "<think>plan</think>\n```éé\nSELECT name FROM t\n```";
+    let sql = extract_sql(response).expect("the fenced SELECT is found");
+    assert!(sql.ends_with("SELECT name FROM t"), "{sql:?}");
+}
