@@ -256,8 +256,13 @@ pub trait Backend: Send + Sync + 'static {
     /// `Σ x²`, accumulated in at least f32 (f64 on the CPU); waits for the result.
     fn sum_squares(&self, x: &Self::Buf) -> Result<f64>;
     /// `out[i, :] = x[rows[i], :]` for `i < rows.len()`, rows of `dim` elements.
-    fn gather_rows(&self, out: &mut Self::Buf, x: &Self::Buf, rows: &Self::Buf, dim: usize)
-        -> Result<()>;
+    fn gather_rows(
+        &self,
+        out: &mut Self::Buf,
+        x: &Self::Buf,
+        rows: &Self::Buf,
+        dim: usize,
+    ) -> Result<()>;
 
     // ---- dense -----------------------------------------------------------------------
 
@@ -413,8 +418,7 @@ pub trait Backend: Send + Sync + 'static {
     // ---- SwiGLU ----------------------------------------------------------------------
 
     /// `out = silu(gate) · up`, elementwise.
-    fn swiglu_forward(&self, out: &mut Self::Buf, gate: &Self::Buf, up: &Self::Buf)
-        -> Result<()>;
+    fn swiglu_forward(&self, out: &mut Self::Buf, gate: &Self::Buf, up: &Self::Buf) -> Result<()>;
     /// Overwrites `dgate` and `dup` with the gradients of [`Backend::swiglu_forward`].
     fn swiglu_backward(
         &self,
@@ -463,8 +467,12 @@ pub trait Backend: Send + Sync + 'static {
 
     /// Draws one token per row of `logits: [rows.len(), vocab]` with that row's
     /// parameters; see [`SamplingRow`] and [`Sampled`].
-    fn sample(&self, logits: &Self::Buf, vocab: usize, rows: &[SamplingRow])
-        -> Result<Vec<Sampled>>;
+    fn sample(
+        &self,
+        logits: &Self::Buf,
+        vocab: usize,
+        rows: &[SamplingRow],
+    ) -> Result<Vec<Sampled>>;
 
     // ---- optimizer -------------------------------------------------------------------
 

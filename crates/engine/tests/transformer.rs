@@ -239,7 +239,9 @@ fn shared_split_and_unshared_packing_give_the_same_gradients() {
     let mut model = tiny_model();
     let groups = rollouts();
     let reference = gradients(&mut model, &groups, PackingMode::Unshared, 10_000);
-    assert!(reference.iter().all(|(_, g)| g.iter().any(|x| x.abs() > 1e-7)));
+    assert!(reference
+        .iter()
+        .all(|(_, g)| g.iter().any(|x| x.abs() > 1e-7)));
     for (mode, budget) in [(PackingMode::Shared, 10_000), (PackingMode::Shared, 30)] {
         let grads = gradients(&mut model, &groups, mode, budget);
         for ((name, want), (_, got)) in reference.iter().zip(&grads) {
