@@ -406,7 +406,7 @@ pub fn convert_bird(bird_dir: &Path, options: &BirdOptions) -> Result<Vec<Row>, 
         rows.push(Row::new(
             prompt,
             DATA_SOURCE,
-            Some(crate::env::BIRD.to_string()),
+            Some(crate::env::TEXT2SQL.to_string()),
             Some(json!(gold_sql)),
             extras,
             rows.len(),

@@ -124,9 +124,11 @@ pub struct Registry {
 }
 
 /// Registry id of the single-turn Arctic/BIRD text-to-SQL env ([`crate::text2sql`]).
-pub const BIRD: &str = "bird";
-/// Registry id of the multi-turn SkyRL-SQL env ([`crate::multiturn_sql`]); SkyRL's own name.
 pub const TEXT2SQL: &str = "text2sql";
+/// Alias of [`TEXT2SQL`], the name Arctic's recipes use.
+pub const BIRD: &str = "bird";
+/// Registry id of the multi-turn SkyRL-SQL env ([`crate::multiturn_sql`]).
+pub const TEXT2SQL_MULTITURN: &str = "text2sql_multiturn";
 /// Registry id of the GSM8K env ([`crate::gsm8k`]).
 pub const GSM8K: &str = "gsm8k";
 
@@ -136,8 +138,8 @@ impl Registry {
         Self::default()
     }
 
-    /// A registry with `bird` (alias `bird_sql`), `text2sql` (SkyRL-SQL, multi-turn) and
-    /// `gsm8k`, sharing a default sandbox.
+    /// A registry with `text2sql` (single-turn Arctic/BIRD reward; aliases `bird`,
+    /// `bird_sql`), `text2sql_multiturn` (SkyRL-SQL) and `gsm8k`, sharing a default sandbox.
     pub fn with_builtins() -> Self {
         Self::with_builtins_config(BuiltinConfig::default())
     }
@@ -167,9 +169,10 @@ impl Registry {
         let gsm8k: EnvConstructor =
             Arc::new(|extras| Ok(Box::new(crate::gsm8k::Gsm8kEnv::from_extras(extras)?)));
         for (id, constructor) in [
+            (TEXT2SQL, bird.clone()),
             (BIRD, bird.clone()),
             ("bird_sql", bird),
-            (TEXT2SQL, multiturn),
+            (TEXT2SQL_MULTITURN, multiturn),
             (GSM8K, gsm8k),
         ] {
             registry
@@ -296,7 +299,7 @@ mod tests {
             .to_string();
         assert_eq!(
             err,
-            "unknown env_class \"nope\"; known: bird, bird_sql, echo, gsm8k, text2sql"
+            "unknown env_class \"nope\"; known: bird, bird_sql, echo, gsm8k, text2sql, text2sql_multiturn"
         );
     }
 

@@ -1,4 +1,4 @@
-//! SkyRL-SQL: the multi-turn text-to-SQL env (`text2sql` in skyrl-gym), and its reward.
+//! SkyRL-SQL: the multi-turn text-to-SQL env (`text2sql_multiturn`; `text2sql` in skyrl-gym), and its reward.
 //!
 //! Each turn the model thinks, and either explores with one `<sql>…</sql>` query or answers
 //! with `<solution>…</solution>`. A query is run in the [`Sandbox`] (5 s deadline) and
@@ -26,7 +26,7 @@ use std::time::Duration;
 use regex::Regex;
 use serde_json::Value;
 
-use crate::env::{json_path, Env, EnvError, Message, StepOutput, TEXT2SQL};
+use crate::env::{json_path, Env, EnvError, Message, StepOutput, TEXT2SQL_MULTITURN};
 use crate::sandbox::{QueryResult, Sandbox, SqlError, Value as SqlValue};
 
 /// Reward for a badly formatted final trajectory.
@@ -231,7 +231,7 @@ impl MultiTurnSqlEnv {
         extras: &Value,
     ) -> Result<Self, EnvError> {
         let bad = |field, problem: String| EnvError::BadExtras {
-            env: TEXT2SQL,
+            env: TEXT2SQL_MULTITURN,
             field,
             problem,
         };
@@ -299,7 +299,7 @@ impl MultiTurnSqlEnv {
 impl Env for MultiTurnSqlEnv {
     fn step(&mut self, action: &str) -> Result<StepOutput, EnvError> {
         if self.done {
-            return Err(EnvError::StepAfterDone(TEXT2SQL));
+            return Err(EnvError::StepAfterDone(TEXT2SQL_MULTITURN));
         }
         self.turns += 1;
         self.history.push(action.to_string());

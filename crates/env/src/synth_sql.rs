@@ -229,7 +229,7 @@ fn to_row(
     Row::new(
         arctic_prompt(schema, &q.text, compact),
         DATA_SOURCE,
-        Some(crate::env::BIRD.to_string()),
+        Some(crate::env::TEXT2SQL.to_string()),
         Some(json!(q.sql)),
         extras,
         index,

@@ -34,7 +34,7 @@ use regex::Regex;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::env::{json_path, Env, EnvError, StepOutput, BIRD};
+use crate::env::{json_path, Env, EnvError, StepOutput, TEXT2SQL};
 use crate::sandbox::{RowSet, Sandbox, SqlError};
 
 /// Score for a prediction whose result equals a gold result.
@@ -286,7 +286,8 @@ impl Text2SqlReward {
     }
 }
 
-/// The single-turn BIRD env (`bird`): one answer, scored by [`Text2SqlReward`].
+/// The single-turn text-to-SQL env (`text2sql`, alias `bird`): one answer, scored by
+/// [`Text2SqlReward`].
 pub struct Text2SqlEnv {
     reward: Arc<Text2SqlReward>,
     ground_truth: String,
@@ -301,7 +302,7 @@ impl Text2SqlEnv {
     /// `extra_info.alternative_answers`.
     pub fn from_extras(reward: Arc<Text2SqlReward>, extras: &Value) -> Result<Self, EnvError> {
         let bad = |field, problem: &str| EnvError::BadExtras {
-            env: BIRD,
+            env: TEXT2SQL,
             field,
             problem: problem.to_string(),
         };
@@ -341,7 +342,7 @@ impl Text2SqlEnv {
 impl Env for Text2SqlEnv {
     fn step(&mut self, action: &str) -> Result<StepOutput, EnvError> {
         if self.done {
-            return Err(EnvError::StepAfterDone(BIRD));
+            return Err(EnvError::StepAfterDone(TEXT2SQL));
         }
         self.done = true;
         let result = self.reward.score(&Text2SqlCase {

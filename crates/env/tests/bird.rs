@@ -84,7 +84,7 @@ fn converts_train_split_into_arctic_prompts() {
 
     let row = &rows[0];
     assert_eq!(row.data_source, "bird");
-    assert_eq!(row.env_class.as_deref(), Some(floe_env::env::BIRD));
+    assert_eq!(row.env_class.as_deref(), Some(floe_env::env::TEXT2SQL));
     assert_eq!(row.ground_truth, Some(json!(
         "SELECT COUNT(*) FROM students AS T1 JOIN classes AS T2 ON T1.`class id` = T2.id WHERE T2.title = 'Math'"
     )));

@@ -180,7 +180,7 @@ fn registry_resolves_databases_under_the_root() {
         "db_id": "geo", "data": "spider", "max_turns": 2,
         "reward_spec": {"ground_truth": GOLD}
     });
-    let mut env = registry.make("text2sql", &extras).unwrap();
+    let mut env = registry.make("text2sql_multiturn", &extras).unwrap();
     let out = env
         .step(&format!("<think>a</think><solution>{GOLD}</solution>"))
         .unwrap();
@@ -191,7 +191,7 @@ fn registry_resolves_databases_under_the_root() {
         "reward_spec": {"ground_truth": GOLD}
     });
     let err = registry
-        .make("text2sql", &missing)
+        .make("text2sql_multiturn", &missing)
         .err()
         .unwrap()
         .to_string();
@@ -201,7 +201,7 @@ fn registry_resolves_databases_under_the_root() {
         "reward_spec": {"ground_truth": GOLD}
     });
     let err = registry
-        .make("text2sql", &bad_data)
+        .make("text2sql_multiturn", &bad_data)
         .err()
         .unwrap()
         .to_string();
@@ -211,5 +211,5 @@ fn registry_resolves_databases_under_the_root() {
         "extra_info": {"db_path": explicit},
         "reward_spec": {"ground_truth": GOLD}
     });
-    assert!(registry.make("text2sql", &direct).is_ok());
+    assert!(registry.make("text2sql_multiturn", &direct).is_ok());
 }

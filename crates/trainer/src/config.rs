@@ -352,7 +352,7 @@ impl Default for SamplingParams {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct EnvironmentConfig {
-    /// Environment for rows without an `env_class` column (e.g. `bird`, `gsm8k`, `synth_sql`).
+    /// Environment for rows without an `env_class` column (e.g. `text2sql`, `text2sql_multiturn`, `gsm8k`).
     pub env_class: Option<String>,
     /// Threads that run environment steps (SQL execution, scoring).
     pub max_env_workers: usize,

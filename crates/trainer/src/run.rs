@@ -248,7 +248,7 @@ pub fn run_loop<E: Engine>(
             .environment
             .env_class
             .clone()
-            .unwrap_or_else(|| floe_env::env::BIRD.to_string()),
+            .unwrap_or_else(|| floe_env::env::TEXT2SQL.to_string()),
         enable_thinking,
         g.max_turns,
         max_input_length(config),
@@ -925,7 +925,7 @@ pub fn eval_checkpoint(request: &EvalRequest) -> Result<EvalReport> {
             .environment
             .env_class
             .clone()
-            .unwrap_or_else(|| floe_env::env::BIRD.to_string()),
+            .unwrap_or_else(|| floe_env::env::TEXT2SQL.to_string()),
         enable_thinking,
         g.max_turns,
         max_input_length(&config),
