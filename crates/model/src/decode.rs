@@ -201,7 +201,9 @@ impl<B: Backend> Transformer<B> {
             ..
         } = &mut scratch;
         b.embedding_forward(x, &w.embed, &ids, h)?;
-        for (wl, (k_cache, v_cache)) in w.layers.iter().zip(cache.layers.iter_mut()) {
+        for (l, (wl, (k_cache, v_cache))) in
+            w.layers.iter().zip(cache.layers.iter_mut()).enumerate()
+        {
             let attend = Attend::Paged {
                 slots: &slots,
                 layout: PagedLayout {
@@ -215,7 +217,7 @@ impl<B: Backend> Transformer<B> {
                 k_cache,
                 v_cache,
             };
-            self.layer_forward(wl, x, next, acts, &token_pos, attend)?;
+            self.layer_forward(l, wl, x, next, acts, &token_pos, attend)?;
             std::mem::swap(x, next);
         }
 
@@ -245,6 +247,7 @@ impl<B: Backend> Transformer<B> {
             trans_b: true,
         };
         b.matmul(&mut logits, &normed, w.lm_head(), dims, false)?;
+        self.adapt_logits(&mut logits, &normed, r)?;
         Ok(logits)
     }
 }

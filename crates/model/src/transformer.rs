@@ -36,6 +36,7 @@ use floe_backend::{AttnShape, Backend, BufKind, LmHead, Matmul, PagedLayout, Seg
 
 use crate::batch::{BatchError, PackedBatch, TokenStats};
 use crate::config::ModelConfig;
+use crate::lora::{GradSink, LayerGrad, Lora, Proj};
 use crate::weights::{check_weights, tensor_specs, HostTensor, WeightsError};
 
 /// Why a model operation failed.
@@ -436,12 +437,14 @@ pub struct ParamSlot<'a, B: Backend> {
 pub struct Transformer<B: Backend> {
     pub(crate) backend: Arc<B>,
     pub(crate) config: ModelConfig,
-    /// Full master weights.
-    params: Params<B::Buf>,
+    /// Full master weights; shared with the models made by [`Transformer::share_base`].
+    params: Arc<Params<B::Buf>>,
     /// Compute copies of the weights (only when `!backend.compute_is_full()`).
-    compute: Option<Params<B::Buf>>,
-    /// Full gradients, allocated on the first backward.
+    compute: Option<Arc<Params<B::Buf>>>,
+    /// Full gradients, allocated on the first backward (full-weight training only).
     grads: Option<Params<B::Buf>>,
+    /// LoRA adapters: when present only they train, and the base stays frozen.
+    pub(crate) lora: Option<Lora<B::Buf>>,
     /// `[head_dim / 2]` (Full) RoPE inverse frequencies.
     pub(crate) inv_freq: B::Buf,
     /// Keep only layer inputs and recompute each layer in the backward.
@@ -486,7 +489,7 @@ pub fn rope_inv_freq(config: &ModelConfig) -> Vec<f32> {
 }
 
 /// splitmix64, the seeded generator of [`Transformer::new_random`].
-struct SplitMix(u64);
+pub(crate) struct SplitMix(pub(crate) u64);
 
 impl SplitMix {
     fn next_u64(&mut self) -> u64 {
@@ -498,7 +501,7 @@ impl SplitMix {
     }
 
     /// Uniform in (0, 1].
-    fn unit(&mut self) -> f64 {
+    pub(crate) fn unit(&mut self) -> f64 {
         ((self.next_u64() >> 11) + 1) as f64 / (1u64 << 53) as f64
     }
 
@@ -561,7 +564,8 @@ impl<B: Backend> Transformer<B> {
                 at += 1;
                 Ok(buf)
             })?)
-        };
+        }
+        .map(Arc::new);
         let inv_freq = backend.upload(&rope_inv_freq(&config), BufKind::Full)?;
         let lm_head_chunk_logits = if backend.memory_info().is_some() {
             DEVICE_LM_HEAD_CHUNK_LOGITS
@@ -571,14 +575,67 @@ impl<B: Backend> Transformer<B> {
         Ok(Self {
             backend,
             config,
-            params,
+            params: Arc::new(params),
             compute,
             grads: None,
+            lora: None,
             inv_freq,
             recompute: false,
             acts: None,
             lm_head_chunk_logits,
         })
+    }
+
+    /// A second model over the same base weights, without copying them (LoRA sessions
+    /// on one base): it starts with no gradients, activations or adapters. While the
+    /// weights are shared, neither model may change them (full-weight optimizer steps
+    /// and [`Transformer::load_host_weights`] fail); adapters train freely.
+    pub fn share_base(&self) -> Result<Self> {
+        Ok(Self {
+            backend: Arc::clone(&self.backend),
+            config: self.config.clone(),
+            params: Arc::clone(&self.params),
+            compute: self.compute.clone(),
+            grads: None,
+            lora: None,
+            inv_freq: self
+                .backend
+                .upload(&rope_inv_freq(&self.config), BufKind::Full)?,
+            recompute: self.recompute,
+            acts: None,
+            lm_head_chunk_logits: self.lm_head_chunk_logits,
+        })
+    }
+
+    /// Whether another model shares these base weights ([`Transformer::share_base`]).
+    pub fn base_is_shared(&self) -> bool {
+        Arc::strong_count(&self.params) > 1
+    }
+
+    /// The base weights and their Compute copies for writing; an error while another
+    /// model shares them.
+    #[allow(clippy::type_complexity)]
+    fn base_mut(
+        &mut self,
+        what: &str,
+    ) -> Result<(&mut Params<B::Buf>, Option<&mut Params<B::Buf>>)> {
+        let shared = || {
+            ModelError::Input(format!(
+                "{what}: the base weights are shared with other models (share_base); \
+                 they are frozen while shared"
+            ))
+        };
+        let params = Arc::get_mut(&mut self.params).ok_or_else(shared)?;
+        let compute = match &mut self.compute {
+            Some(c) => Some(Arc::get_mut(c).ok_or_else(shared)?),
+            None => None,
+        };
+        Ok((params, compute))
+    }
+
+    /// Frees the base weights' gradients (a LoRA model never computes them).
+    pub(crate) fn drop_base_grads(&mut self) {
+        self.grads = None;
     }
 
     /// A model with normal(0, 0.02) weights from `seed`, norms at 1 and biases at 0.
@@ -618,16 +675,12 @@ impl<B: Backend> Transformer<B> {
     /// [`tensor_specs`]; gradients are kept.
     pub fn load_host_weights(&mut self, weights: &BTreeMap<String, HostTensor>) -> Result<()> {
         check_weights(&self.config, weights)?;
-        let b = &*self.backend;
         let specs = tensor_specs(&self.config);
-        let mut computes = self.compute.as_mut().map(|c| c.tensors_mut());
-        for (i, (param, (name, _))) in self
-            .params
-            .tensors_mut()
-            .into_iter()
-            .zip(&specs)
-            .enumerate()
-        {
+        let backend = Arc::clone(&self.backend);
+        let b = &*backend;
+        let (params, compute) = self.base_mut("load_host_weights")?;
+        let mut computes = compute.map(|c| c.tensors_mut());
+        for (i, (param, (name, _))) in params.tensors_mut().into_iter().zip(&specs).enumerate() {
             *param = b.upload(&weights[name].data, BufKind::Full)?;
             if let Some(c) = computes.as_mut() {
                 b.copy(c[i], param)?;
@@ -670,7 +723,7 @@ impl<B: Backend> Transformer<B> {
 
     /// The weights forwards read: the Compute copies, or the masters when they coincide.
     pub(crate) fn weights(&self) -> &Params<B::Buf> {
-        self.compute.as_ref().unwrap_or(&self.params)
+        self.compute.as_deref().unwrap_or(&self.params)
     }
 
     /// Checks a batch against the vocabulary.
@@ -704,7 +757,7 @@ impl<B: Backend> Transformer<B> {
 
     /// `y (+)= x · wᵀ` for `x: [rows, n_in]`, `w: [n_out, n_in]`.
     #[allow(clippy::too_many_arguments)]
-    fn linear(
+    pub(crate) fn linear(
         &self,
         y: &mut B::Buf,
         x: &B::Buf,
@@ -726,7 +779,7 @@ impl<B: Backend> Transformer<B> {
 
     /// Backward of [`Self::linear`]: `dx (+)= dy · w`.
     #[allow(clippy::too_many_arguments)]
-    fn linear_dx(
+    pub(crate) fn linear_dx(
         &self,
         dx: &mut B::Buf,
         dy: &B::Buf,
@@ -747,7 +800,7 @@ impl<B: Backend> Transformer<B> {
     }
 
     /// Backward of [`Self::linear`]: `dw += dyᵀ · x`.
-    fn linear_dw(
+    pub(crate) fn linear_dw(
         &self,
         dw: &mut B::Buf,
         dy: &B::Buf,
@@ -766,9 +819,12 @@ impl<B: Backend> Transformer<B> {
         Ok(self.backend.matmul(dw, dy, x, dims, true)?)
     }
 
-    /// One decoder layer: `out = layer(x)`, saving its internals in `a`.
+    /// Decoder layer `l`: `out = layer(x)` (plus its adapters' terms on a LoRA model),
+    /// saving its internals in `a`.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn layer_forward(
         &self,
+        l: usize,
         w: &Layer<B::Buf>,
         x: &B::Buf,
         out: &mut B::Buf,
@@ -783,20 +839,24 @@ impl<B: Backend> Transformer<B> {
         let (q, kv, hd) = (c.q_dim(), c.kv_dim(), c.head_dim);
         let (hq, hkv) = (c.num_attention_heads, c.num_key_value_heads);
         let eps = c.rms_norm_eps;
+        let adapters = self.layer_adapters(l);
 
         b.rmsnorm_forward(&mut a.ln1, &mut a.ln1_rstd, x, &w.input_norm, t, h, eps)?;
         // Projections land in q_raw/k_raw when a per-head norm follows, else in place.
         let q_proj = a.q_raw.as_mut().unwrap_or(&mut a.q);
         self.linear(q_proj, &a.ln1, &w.wq, t, q, h, false)?;
+        self.adapt(q_proj, &a.ln1, adapters, Proj::Q, t)?;
         if let Some(bias) = &w.bq {
             b.add_bias(q_proj, bias, t, q)?;
         }
         let k_proj = a.k_raw.as_mut().unwrap_or(&mut a.k);
         self.linear(k_proj, &a.ln1, &w.wk, t, kv, h, false)?;
+        self.adapt(k_proj, &a.ln1, adapters, Proj::K, t)?;
         if let Some(bias) = &w.bk {
             b.add_bias(k_proj, bias, t, kv)?;
         }
         self.linear(&mut a.v, &a.ln1, &w.wv, t, kv, h, false)?;
+        self.adapt(&mut a.v, &a.ln1, adapters, Proj::V, t)?;
         if let Some(bias) = &w.bv {
             b.add_bias(&mut a.v, bias, t, kv)?;
         }
@@ -839,6 +899,7 @@ impl<B: Backend> Transformer<B> {
         }
         b.copy(&mut a.resid, x)?;
         self.linear(&mut a.resid, &a.att, &w.wo, t, h, q, true)?;
+        self.adapt(&mut a.resid, &a.att, adapters, Proj::O, t)?;
         b.rmsnorm_forward(
             &mut a.ln2,
             &mut a.ln2_rstd,
@@ -849,20 +910,24 @@ impl<B: Backend> Transformer<B> {
             eps,
         )?;
         self.linear(&mut a.gate, &a.ln2, &w.w_gate, t, inter, h, false)?;
+        self.adapt(&mut a.gate, &a.ln2, adapters, Proj::Gate, t)?;
         self.linear(&mut a.up, &a.ln2, &w.w_up, t, inter, h, false)?;
+        self.adapt(&mut a.up, &a.ln2, adapters, Proj::Up, t)?;
         b.swiglu_forward(&mut a.act, &a.gate, &a.up)?;
         b.copy(out, &a.resid)?;
         self.linear(out, &a.act, &w.w_down, t, h, inter, true)?;
+        self.adapt(out, &a.act, adapters, Proj::Down, t)?;
         Ok(())
     }
 
-    /// Backward of one layer: on entry `s.d_resid` is the gradient of the layer's output,
-    /// on exit that of its input `x`; weight gradients accumulate into `g`.
+    /// Backward of layer `l`: on entry `s.d_resid` is the gradient of the layer's output,
+    /// on exit that of its input `x`; parameter gradients accumulate into `g` (the base
+    /// weights, or the adapters of a LoRA model).
     #[allow(clippy::too_many_arguments)]
     fn layer_backward(
         &self,
         w: &Layer<B::Buf>,
-        g: &mut Layer<B::Buf>,
+        mut g: LayerGrad<'_, B::Buf>,
         x: &B::Buf,
         a: &LayerActs<B::Buf>,
         s: &mut GradScratch<B::Buf>,
@@ -872,21 +937,45 @@ impl<B: Backend> Transformer<B> {
         let b = &*self.backend;
         let c = &self.config;
         let t = self.backend.len(positions);
-        let (h, inter) = (c.hidden_size, c.intermediate_size);
-        let (q, kv, hd) = (c.q_dim(), c.kv_dim(), c.head_dim);
+        let (h, hd) = (c.hidden_size, c.head_dim);
+        let (q, kv) = (c.q_dim(), c.kv_dim());
         let (hq, hkv) = (c.num_attention_heads, c.num_key_value_heads);
 
         // MLP: out = resid + act · W_downᵀ.
-        self.linear_dx(&mut s.d_act, &s.d_resid, &w.w_down, t, h, inter, false)?;
-        self.linear_dw(&mut g.w_down, &s.d_resid, &a.act, t, h, inter)?;
+        self.proj_backward(
+            &mut s.d_act,
+            &s.d_resid,
+            &a.act,
+            &w.w_down,
+            &mut g,
+            Proj::Down,
+            t,
+            false,
+        )?;
         b.swiglu_backward(&mut s.d_gate, &mut s.d_up, &s.d_act, &a.gate, &a.up)?;
-        self.linear_dx(&mut s.d_norm_out, &s.d_gate, &w.w_gate, t, inter, h, false)?;
-        self.linear_dx(&mut s.d_norm_out, &s.d_up, &w.w_up, t, inter, h, true)?;
-        self.linear_dw(&mut g.w_gate, &s.d_gate, &a.ln2, t, inter, h)?;
-        self.linear_dw(&mut g.w_up, &s.d_up, &a.ln2, t, inter, h)?;
+        self.proj_backward(
+            &mut s.d_norm_out,
+            &s.d_gate,
+            &a.ln2,
+            &w.w_gate,
+            &mut g,
+            Proj::Gate,
+            t,
+            false,
+        )?;
+        self.proj_backward(
+            &mut s.d_norm_out,
+            &s.d_up,
+            &a.ln2,
+            &w.w_up,
+            &mut g,
+            Proj::Up,
+            t,
+            true,
+        )?;
         b.rmsnorm_backward(
             &mut s.d_norm_in,
-            &mut g.post_norm,
+            g.norm(true),
             &s.d_norm_out,
             &a.resid,
             &w.post_norm,
@@ -897,8 +986,16 @@ impl<B: Backend> Transformer<B> {
         b.add_assign(&mut s.d_resid, &s.d_norm_in)?;
 
         // Attention: resid = x + att · Woᵀ.
-        self.linear_dx(&mut s.d_att, &s.d_resid, &w.wo, t, h, q, false)?;
-        self.linear_dw(&mut g.wo, &s.d_resid, &a.att, t, h, q)?;
+        self.proj_backward(
+            &mut s.d_att,
+            &s.d_resid,
+            &a.att,
+            &w.wo,
+            &mut g,
+            Proj::O,
+            t,
+            false,
+        )?;
         b.attention_backward(
             &mut s.d_q,
             &mut s.d_k,
@@ -916,7 +1013,7 @@ impl<B: Backend> Transformer<B> {
         b.rope(&mut s.d_k, positions, &self.inv_freq, t, hkv, hd, true)?;
         if let (Some(d_raw), Some(gn), Some(wn), Some(raw), Some(rstd)) = (
             &mut s.d_q_raw,
-            &mut g.q_norm,
+            g.head_norm(false, c.qk_norm),
             &w.q_norm,
             &a.q_raw,
             &a.q_rstd,
@@ -925,7 +1022,7 @@ impl<B: Backend> Transformer<B> {
         }
         if let (Some(d_raw), Some(gn), Some(wn), Some(raw), Some(rstd)) = (
             &mut s.d_k_raw,
-            &mut g.k_norm,
+            g.head_norm(true, c.qk_norm),
             &w.k_norm,
             &a.k_raw,
             &a.k_rstd,
@@ -935,24 +1032,45 @@ impl<B: Backend> Transformer<B> {
         // Gradients of the projections' outputs.
         let d_qp = s.d_q_raw.as_ref().unwrap_or(&s.d_q);
         let d_kp = s.d_k_raw.as_ref().unwrap_or(&s.d_k);
-        for (gb, dy, n) in [
-            (&mut g.bq, d_qp, q),
-            (&mut g.bk, d_kp, kv),
-            (&mut g.bv, &s.d_v, kv),
-        ] {
+        let [gbq, gbk, gbv] = g.biases();
+        for (gb, dy, n) in [(gbq, d_qp, q), (gbk, d_kp, kv), (gbv, &s.d_v, kv)] {
             if let Some(gb) = gb {
                 b.add_bias_backward(gb, dy, t, n)?;
             }
         }
-        self.linear_dx(&mut s.d_norm_out, d_qp, &w.wq, t, q, h, false)?;
-        self.linear_dx(&mut s.d_norm_out, d_kp, &w.wk, t, kv, h, true)?;
-        self.linear_dx(&mut s.d_norm_out, &s.d_v, &w.wv, t, kv, h, true)?;
-        self.linear_dw(&mut g.wq, d_qp, &a.ln1, t, q, h)?;
-        self.linear_dw(&mut g.wk, d_kp, &a.ln1, t, kv, h)?;
-        self.linear_dw(&mut g.wv, &s.d_v, &a.ln1, t, kv, h)?;
+        self.proj_backward(
+            &mut s.d_norm_out,
+            d_qp,
+            &a.ln1,
+            &w.wq,
+            &mut g,
+            Proj::Q,
+            t,
+            false,
+        )?;
+        self.proj_backward(
+            &mut s.d_norm_out,
+            d_kp,
+            &a.ln1,
+            &w.wk,
+            &mut g,
+            Proj::K,
+            t,
+            true,
+        )?;
+        self.proj_backward(
+            &mut s.d_norm_out,
+            &s.d_v,
+            &a.ln1,
+            &w.wv,
+            &mut g,
+            Proj::V,
+            t,
+            true,
+        )?;
         b.rmsnorm_backward(
             &mut s.d_norm_in,
-            &mut g.input_norm,
+            g.norm(false),
             &s.d_norm_out,
             x,
             &w.input_norm,
@@ -990,7 +1108,7 @@ impl<B: Backend> Transformer<B> {
                 segments: &batch.segments,
                 uncovered_rows: covered < t,
             };
-            self.layer_forward(wl, x, out, &mut acts.layers[slot], positions, attend)?;
+            self.layer_forward(l, wl, x, out, &mut acts.layers[slot], positions, attend)?;
         }
         let last = &acts.residual[c.num_hidden_layers % kept];
         b.rmsnorm_forward(
@@ -1002,12 +1120,13 @@ impl<B: Backend> Transformer<B> {
             h,
             c.rms_norm_eps,
         )?;
+        let merged_unembed = self.merged_unembed(w.lm_head())?;
         b.lm_head_forward(
             &mut acts.logprobs,
             &mut acts.entropy,
             &mut acts.lse,
             &acts.final_out,
-            w.lm_head(),
+            merged_unembed.as_ref().unwrap_or(w.lm_head()),
             targets,
             self.lm_head_spec(t, logit_scale),
         )?;
@@ -1113,20 +1232,39 @@ impl<B: Backend> Transformer<B> {
                 )));
             }
         }
-        let mut grads = match self.grads.take() {
-            Some(g) => g,
-            None => self.zero_params()?,
+        let inputs = [&ids, &targets, &positions];
+        let result = if self.lora.is_some() {
+            let mut grads = self.take_lora_grads()?;
+            let sink = GradSink::Adapters(&mut grads);
+            let result = self.run_backward(
+                acts,
+                sink,
+                batch,
+                inputs,
+                logit_scale,
+                &d_logprobs,
+                &d_entropy,
+            );
+            self.lora.as_mut().expect("checked above").grads = Some(grads);
+            result
+        } else {
+            let mut grads = match self.grads.take() {
+                Some(g) => g,
+                None => self.zero_params()?,
+            };
+            let sink = GradSink::Full(&mut grads);
+            let result = self.run_backward(
+                acts,
+                sink,
+                batch,
+                inputs,
+                logit_scale,
+                &d_logprobs,
+                &d_entropy,
+            );
+            self.grads = Some(grads);
+            result
         };
-        let result = self.run_backward(
-            acts,
-            &mut grads,
-            batch,
-            [&ids, &targets, &positions],
-            logit_scale,
-            &d_logprobs,
-            &d_entropy,
-        );
-        self.grads = Some(grads);
         result?;
         Ok(stats)
     }
@@ -1141,7 +1279,7 @@ impl<B: Backend> Transformer<B> {
     fn run_backward(
         &self,
         acts: &mut Activations<B::Buf>,
-        g: &mut Params<B::Buf>,
+        mut sink: GradSink<'_, B::Buf>,
         batch: &PackedBatch,
         [ids, targets, positions]: [&B::Buf; 3],
         logit_scale: f32,
@@ -1166,9 +1304,16 @@ impl<B: Backend> Transformer<B> {
         let s = grad
             .as_mut()
             .expect("training activations carry a gradient scratch");
-        let g_lm = match &mut g.lm_head {
-            Some(lm) => lm,
-            None => &mut g.embed,
+        let merged_unembed = self.merged_unembed(w.lm_head())?;
+        let g_lm = match &mut sink {
+            GradSink::Full(g) => match &mut g.lm_head {
+                Some(lm) => lm,
+                None => &mut g.embed,
+            },
+            GradSink::Adapters(g) => {
+                b.fill_zero(&mut g.frozen.lm_head)?;
+                &mut g.frozen.lm_head
+            }
         };
         b.lm_head_backward(
             &mut s.d_norm_out,
@@ -1176,14 +1321,17 @@ impl<B: Backend> Transformer<B> {
             &d_lp,
             &d_ent,
             final_out,
-            w.lm_head(),
+            merged_unembed.as_ref().unwrap_or(w.lm_head()),
             targets,
             lse,
             self.lm_head_spec(t, logit_scale),
         )?;
+        if let GradSink::Adapters(g) = &mut sink {
+            self.unembed_backward(g)?;
+        }
         b.rmsnorm_backward(
             &mut s.d_resid,
-            &mut g.final_norm,
+            sink.final_norm(),
             &s.d_norm_out,
             &residual[c.num_hidden_layers],
             &w.final_norm,
@@ -1205,6 +1353,7 @@ impl<B: Backend> Transformer<B> {
                     uncovered_rows: covered < t,
                 };
                 self.layer_forward(
+                    l,
                     &w.layers[l],
                     &residual[l],
                     out,
@@ -1215,7 +1364,7 @@ impl<B: Backend> Transformer<B> {
             }
             self.layer_backward(
                 &w.layers[l],
-                &mut g.layers[l],
+                sink.layer(l, self.layer_adapters(l)),
                 &residual[l],
                 &layers[slot],
                 s,
@@ -1223,12 +1372,15 @@ impl<B: Backend> Transformer<B> {
                 &batch.segments,
             )?;
         }
-        b.embedding_backward(&mut g.embed, &s.d_resid, ids, h)?;
+        if let GradSink::Full(g) = sink {
+            b.embedding_backward(&mut g.embed, &s.d_resid, ids, h)?;
+        }
         Ok(())
     }
 
     /// Sets every gradient to zero (a no-op before the first backward).
     pub fn zero_grad(&mut self) -> Result<()> {
+        self.zero_lora_grads()?;
         if let Some(grads) = &mut self.grads {
             for g in grads.tensors_mut() {
                 self.backend.fill_zero(g)?;
@@ -1239,30 +1391,48 @@ impl<B: Backend> Transformer<B> {
 
     /// Global L2 norm over every gradient (0 before the first backward).
     pub fn grad_norm(&self) -> Result<f64> {
+        let mut sum = self.lora_grad_sum_squares()?;
         let Some(grads) = &self.grads else {
-            return Ok(0.0);
+            return Ok(sum.sqrt());
         };
-        let mut sum = 0.0;
         for g in grads.tensors() {
             sum += self.backend.sum_squares(g)?;
         }
         Ok(sum.sqrt())
     }
 
-    /// Visits every parameter with its Hugging Face name, its gradient and its Compute
-    /// copy (when the backend keeps one), in [`tensor_specs`] order. Allocates zero
-    /// gradients if no backward has run yet.
+    /// Visits every trained parameter with its name, its gradient and its Compute copy
+    /// (when the backend keeps one): every weight in [`tensor_specs`] order, or on a
+    /// LoRA model the adapters in [`crate::lora::adapter_specs`] order (PEFT names).
+    /// Allocates zero gradients if no backward has run yet.
     pub fn visit_params(
         &mut self,
         f: &mut dyn FnMut(&str, ParamSlot<'_, B>) -> Result<()>,
     ) -> Result<()> {
+        if self.lora.is_some() {
+            return self.visit_adapters(f);
+        }
         if self.grads.is_none() {
             self.grads = Some(self.zero_params()?);
         }
         let specs = tensor_specs(&self.config);
-        let grads = self.grads.as_ref().expect("allocated above").tensors();
-        let mut computes = self.compute.as_mut().map(|c| c.tensors_mut().into_iter());
-        for (((name, _), param), grad) in specs.iter().zip(self.params.tensors_mut()).zip(grads) {
+        let grads = self.grads.take().expect("allocated above");
+        let result = self.visit_base(&specs, &grads, f);
+        self.grads = Some(grads);
+        result
+    }
+
+    fn visit_base(
+        &mut self,
+        specs: &[(String, Vec<usize>)],
+        grads: &Params<B::Buf>,
+        f: &mut dyn FnMut(&str, ParamSlot<'_, B>) -> Result<()>,
+    ) -> Result<()> {
+        let (params, compute) = self.base_mut("visit_params")?;
+        let mut computes = compute.map(|c| c.tensors_mut().into_iter());
+        for (((name, _), param), grad) in
+            specs.iter().zip(params.tensors_mut()).zip(grads.tensors())
+        {
             let compute = computes.as_mut().and_then(|c| c.next());
             f(
                 name,
@@ -1276,9 +1446,13 @@ impl<B: Backend> Transformer<B> {
         Ok(())
     }
 
-    /// Every gradient as a host tensor named as in [`tensor_specs`] (zeros before the first
-    /// backward); for checks and debugging.
+    /// Every trained parameter's gradient as a host tensor, named as
+    /// [`Transformer::visit_params`] names them (zeros before the first backward); for
+    /// checks and debugging.
     pub fn grads_to_host(&self) -> Result<BTreeMap<String, HostTensor>> {
+        if self.lora.is_some() {
+            return self.lora_grads_to_host();
+        }
         let b = &*self.backend;
         let specs = tensor_specs(&self.config);
         match &self.grads {
