@@ -1,5 +1,10 @@
 //! The policy under training: the transformer, its AdamW moments and the step count.
 //!
+//! A policy over a LoRA model ([`Transformer::with_lora`]) trains only the adapters: the
+//! optimizer visits them alone, so AdamW moments exist only for them, and a saved state
+//! holds the adapters (a PEFT folder) instead of the weights; the base is whatever the
+//! restoring engine loads ([`Policy::load_lora`]).
+//!
 //! Gradients accumulate across [`Policy::forward_backward`] calls (micro-batches, or
 //! chunks sent by a remote driver) until [`Policy::optim_step`], which clips by the
 //! global norm, skips a step whose norm is not finite, updates every parameter with
@@ -13,8 +18,9 @@ use std::sync::Arc;
 
 use floe_backend::{AdamW, Backend, BufKind};
 use floe_model::batch::{PackedBatch, TokenStats};
-use floe_model::transformer::Transformer;
-use floe_model::weights::{self, tensor_specs, HostTensor, SaveDType};
+use floe_model::lora::{self, ADAPTER_CONFIG_FILE};
+use floe_model::transformer::{ModelError, Transformer};
+use floe_model::weights::{self, HostTensor, SaveDType};
 use floe_rl::optim::{clip_coef, should_skip_step};
 use serde::{Deserialize, Serialize};
 
@@ -68,6 +74,9 @@ pub struct Policy<B: Backend> {
 
 /// Sub-folder of a saved state holding the weights as a Hugging Face folder.
 pub const MODEL_DIR: &str = "model";
+/// Sub-folder of a saved LoRA state holding the adapters as a PEFT folder
+/// (`adapter_model.safetensors`, `adapter_config.json`).
+pub const ADAPTER_DIR: &str = "adapter";
 const OPTIMIZER_FILE: &str = "optimizer.safetensors";
 const OPTIMIZER_META: &str = "optimizer.json";
 /// Suffixes of the moment tensors, as PyTorch's AdamW names its state.
@@ -185,22 +194,36 @@ impl<B: Backend> Policy<B> {
     }
 
     /// Writes the state into `dir` (created if needed): the weights as an f32 Hugging
-    /// Face folder under `dir/model` (exact, so a resumed run continues bit for bit), the
-    /// AdamW moments in `optimizer.safetensors` (`<param>.exp_avg`, `<param>.exp_avg_sq`)
-    /// and the step count in `optimizer.json`. Each file is written under a temporary
-    /// name and renamed; `optimizer.json` goes last, so its presence marks a complete save.
+    /// Face folder under `dir/model` (exact, so a resumed run continues bit for bit) —
+    /// or, for a LoRA policy, the adapters as an f32 PEFT folder under `dir/adapter` —,
+    /// the AdamW moments in `optimizer.safetensors` (`<param>.exp_avg`,
+    /// `<param>.exp_avg_sq`) and the step count in `optimizer.json`. Each file is written
+    /// under a temporary name and renamed; `optimizer.json` goes last, so its presence
+    /// marks a complete save.
     pub fn save(&self, dir: &Path) -> Result<()> {
         std::fs::create_dir_all(dir).map_err(|source| Error::Io {
             path: dir.to_path_buf(),
             source,
         })?;
-        let host = self.model.to_host_weights()?;
-        weights::save_model_dir(
-            dir.join(MODEL_DIR),
-            self.model.config(),
-            &host,
-            SaveDType::F32,
-        )?;
+        // A state holds weights or adapters, never both: an overwritten save of the other
+        // kind must not leave its folder behind.
+        match self.model.lora_config() {
+            Some(config) => {
+                remove_dir_if_present(&dir.join(MODEL_DIR))?;
+                let adapters = self.model.adapters_to_host()?;
+                lora::save_adapter_dir(&dir.join(ADAPTER_DIR), config, None, &adapters)?;
+            }
+            None => {
+                remove_dir_if_present(&dir.join(ADAPTER_DIR))?;
+                let host = self.model.to_host_weights()?;
+                weights::save_model_dir(
+                    dir.join(MODEL_DIR),
+                    self.model.config(),
+                    &host,
+                    SaveDType::F32,
+                )?;
+            }
+        }
         let backend = self.model.backend();
         let mut tensors = BTreeMap::new();
         for (name, state) in &self.moments {
@@ -216,22 +239,46 @@ impl<B: Backend> Policy<B> {
         write_atomically(&dir.join(OPTIMIZER_META), meta.as_bytes())
     }
 
-    /// Restores a policy written by [`Policy::save`] onto `backend`. Errors name the file
-    /// that is missing or does not match the model.
+    /// Restores a full-weight policy written by [`Policy::save`] onto `backend`. Errors
+    /// name the file that is missing or does not match the model; a LoRA state is
+    /// refused with a pointer to [`Policy::load_lora`].
     pub fn load(backend: Arc<B>, dir: &Path) -> Result<Self> {
-        let meta_path = dir.join(OPTIMIZER_META);
-        let meta_text = std::fs::read_to_string(&meta_path).map_err(|source| Error::Io {
-            path: meta_path.clone(),
-            source,
-        })?;
-        let meta: OptimizerMeta =
-            serde_json::from_str(&meta_text).map_err(|err| Error::Corrupt {
-                path: meta_path,
-                msg: err.to_string(),
-            })?;
+        if is_lora_state(dir) {
+            return Err(Error::Corrupt {
+                path: dir.to_path_buf(),
+                msg: "this is a LoRA state (adapters only): restore it onto its base model \
+                      with Policy::load_lora"
+                    .into(),
+            });
+        }
+        let meta = read_optimizer_meta(dir)?;
         let (config, host) = weights::load_model_dir(dir.join(MODEL_DIR))?;
         let model = Transformer::from_host_weights(Arc::clone(&backend), config, &host)?;
+        Self::with_saved_optimizer(model, dir, meta)
+    }
 
+    /// Restores a LoRA policy written by [`Policy::save`]: the adapters under
+    /// `dir/adapter` on `base` (a model without adapters, holding the weights the
+    /// adapters were trained on), with their AdamW moments and step count.
+    pub fn load_lora(base: Transformer<B>, dir: &Path) -> Result<Self> {
+        if base.lora_config().is_some() {
+            return Err(Error::Model(ModelError::Input(
+                "load_lora: the base model already has adapters; give it without".into(),
+            )));
+        }
+        let meta = read_optimizer_meta(dir)?;
+        let (config, adapters) = lora::load_adapter_dir(&dir.join(ADAPTER_DIR))?;
+        let model = base.with_lora_weights(config, &adapters)?;
+        Self::with_saved_optimizer(model, dir, meta)
+    }
+
+    /// `model` with the AdamW moments saved in `dir` and the step count of `meta`.
+    fn with_saved_optimizer(
+        model: Transformer<B>,
+        dir: &Path,
+        meta: OptimizerMeta,
+    ) -> Result<Self> {
+        let backend = Arc::clone(model.backend());
         let optimizer_path = dir.join(OPTIMIZER_FILE);
         let corrupt = |msg: String| Error::Corrupt {
             path: optimizer_path.clone(),
@@ -239,7 +286,7 @@ impl<B: Backend> Policy<B> {
         };
         let mut tensors = weights::load_tensors(&optimizer_path)?;
         let mut moments = BTreeMap::new();
-        for (name, shape) in tensor_specs(model.config()) {
+        for (name, shape) in model.trainable_specs() {
             let len: usize = shape.iter().product();
             let mut take = |suffix: &str| -> Result<Option<HostTensor>> {
                 let key = format!("{name}.{suffix}");
@@ -283,6 +330,35 @@ impl<B: Backend> Policy<B> {
             moments,
             step: meta.step,
         })
+    }
+}
+
+/// The step count of a saved state; its file is written last, so a missing one means
+/// no complete save.
+fn read_optimizer_meta(dir: &Path) -> Result<OptimizerMeta> {
+    let meta_path = dir.join(OPTIMIZER_META);
+    let meta_text = std::fs::read_to_string(&meta_path).map_err(|source| Error::Io {
+        path: meta_path.clone(),
+        source,
+    })?;
+    serde_json::from_str(&meta_text).map_err(|err| Error::Corrupt {
+        path: meta_path,
+        msg: err.to_string(),
+    })
+}
+
+/// Whether `dir` holds a LoRA state written by [`Policy::save`] (adapters, no weights).
+pub fn is_lora_state(dir: &Path) -> bool {
+    dir.join(ADAPTER_DIR).join(ADAPTER_CONFIG_FILE).is_file()
+}
+
+fn remove_dir_if_present(dir: &Path) -> Result<()> {
+    match std::fs::remove_dir_all(dir) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(Error::Io {
+            path: dir.to_path_buf(),
+            source: e,
+        }),
+        _ => Ok(()),
     }
 }
 
@@ -393,6 +469,75 @@ mod tests {
         assert!(outcome.skipped && outcome.step == 0);
         assert_eq!(policy.model().to_host_weights().unwrap(), before);
         assert_eq!(policy.grad_norm().unwrap(), 0.0);
+    }
+
+    fn lora_policy(backend: &Arc<CpuBackend>, base_seed: u64) -> Policy<CpuBackend> {
+        let model = Transformer::new_random(Arc::clone(backend), tiny_config(), base_seed).unwrap();
+        Policy::new(model.with_lora(lora::LoraConfig::new(4)).unwrap())
+    }
+
+    #[test]
+    fn a_lora_policy_trains_only_its_adapters() {
+        let backend = Arc::new(CpuBackend::<f32>::new());
+        let mut policy = lora_policy(&backend, 7);
+        let base = policy.model().to_host_weights().unwrap();
+        let adapters = policy.model().adapters_to_host().unwrap();
+        let batch = PackedBatch::from_sequences(&[vec![3, 5, 7, 9, 11], vec![2, 4, 6]]).unwrap();
+        let loss = |p: &Policy<CpuBackend>| -> f64 {
+            -p.model()
+                .forward(&batch, 1.0)
+                .unwrap()
+                .logprobs
+                .iter()
+                .sum::<f64>()
+        };
+        let before = loss(&policy);
+        for _ in 0..3 {
+            assert!(!train_step(&mut policy, &batch).skipped);
+        }
+        assert!(loss(&policy) < before, "{} !< {before}", loss(&policy));
+        assert_eq!(
+            policy.model().to_host_weights().unwrap(),
+            base,
+            "the base is frozen"
+        );
+        assert_ne!(policy.model().adapters_to_host().unwrap(), adapters);
+        // AdamW moments exist for the adapters alone.
+        assert!(policy.moments.keys().all(|name| name.contains(".lora_")));
+        assert_eq!(policy.moments.len(), policy.model().trainable_specs().len());
+    }
+
+    #[test]
+    fn a_lora_state_saves_adapters_and_resumes_bit_identically_on_its_base() {
+        let backend = Arc::new(CpuBackend::<f32>::new());
+        let mut straight = lora_policy(&backend, 7);
+        let batch = PackedBatch::from_sequences(&[vec![3, 5, 7, 9, 11], vec![2, 4, 6]]).unwrap();
+        for _ in 0..2 {
+            train_step(&mut straight, &batch);
+        }
+        let dir = temp_dir("lora-resume");
+        straight.save(&dir).unwrap();
+        assert!(is_lora_state(&dir) && !dir.join(MODEL_DIR).exists());
+        let err = Policy::<CpuBackend>::load(Arc::clone(&backend), &dir)
+            .err()
+            .unwrap();
+        assert!(err.to_string().contains("load_lora"), "{err}");
+        let base = Transformer::new_random(Arc::clone(&backend), tiny_config(), 7).unwrap();
+        let mut resumed = Policy::load_lora(base, &dir).unwrap();
+        assert_eq!(resumed.step(), 2);
+        assert_eq!(
+            train_step(&mut straight, &batch),
+            train_step(&mut resumed, &batch)
+        );
+        assert_eq!(
+            straight.model().adapters_to_host().unwrap(),
+            resumed.model().adapters_to_host().unwrap()
+        );
+        // Saving a full-weight state over it leaves no adapters behind.
+        let model = Transformer::new_random(Arc::clone(&backend), tiny_config(), 7).unwrap();
+        Policy::new(model).save(&dir).unwrap();
+        assert!(!is_lora_state(&dir));
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
