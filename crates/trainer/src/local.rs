@@ -22,12 +22,15 @@ use std::time::{Duration, Instant};
 use floe_backend::cpu::CpuBackend;
 use floe_backend::cuda::CudaBackend;
 use floe_backend::Backend;
-use floe_engine::policy::{OptimParams, Policy, StepOutcome, MODEL_DIR};
+use floe_engine::policy::{
+    is_lora_state, OptimParams, Policy, StepOutcome, ADAPTER_DIR, MODEL_DIR,
+};
 use floe_engine::{
     pack_rollouts, Generation, MicroBatch, PackingConfig, PackingMode, Response, RolloutGroup,
     SampleRequest, Sampler, SamplerConfig,
 };
 use floe_model::batch::TokenStats;
+use floe_model::lora::{load_adapter_dir, LoraConfig};
 use floe_model::tokenizer::Tokenizer;
 use floe_model::transformer::{ModelError, Result as ModelResult, Transformer};
 use floe_model::weights::{self, HostTensor, SaveDType};
@@ -157,6 +160,35 @@ pub enum ModelSource {
         /// Tensors named as in [`floe_model::weights::tensor_specs`].
         weights: BTreeMap<String, HostTensor>,
     },
+    /// LoRA adapters on a frozen base: only the adapters train.
+    Lora {
+        /// The base weights.
+        base: Box<ModelSource>,
+        /// The adapters.
+        adapters: AdapterSource,
+    },
+}
+
+/// Where the adapters of a [`ModelSource::Lora`] come from.
+#[derive(Clone, Debug)]
+pub enum AdapterSource {
+    /// Fresh adapters (B zero: the model starts equal to its base).
+    Fresh(LoraConfig),
+    /// A PEFT adapter folder (`adapter_config.json`, `adapter_model.safetensors`).
+    Dir(PathBuf),
+}
+
+/// The weights of a saved engine state as a [`ModelSource`]: its Hugging Face folder,
+/// or for a LoRA state its adapters on `base` (the base model it was trained from).
+pub fn saved_weights_source(state_dir: &Path, base: ModelSource) -> ModelSource {
+    if is_lora_state(state_dir) {
+        ModelSource::Lora {
+            base: Box::new(base),
+            adapters: AdapterSource::Dir(state_dir.join(ADAPTER_DIR)),
+        }
+    } else {
+        ModelSource::Dir(saved_model_dir(state_dir))
+    }
 }
 
 impl ModelSource {
@@ -169,6 +201,16 @@ impl ModelSource {
             ModelSource::Random { config, seed } => Transformer::new_random(backend, config, seed)?,
             ModelSource::Host { config, weights } => {
                 Transformer::from_host_weights(backend, config, &weights)?
+            }
+            ModelSource::Lora { base, adapters } => {
+                let base = base.load(backend)?;
+                match adapters {
+                    AdapterSource::Fresh(config) => base.with_lora(config)?,
+                    AdapterSource::Dir(dir) => {
+                        let (config, tensors) = load_adapter_dir(&dir)?;
+                        base.with_lora_weights(config, &tensors)?
+                    }
+                }
             }
         })
     }
@@ -531,15 +573,12 @@ impl<B: Backend> Engine for LocalEngine<B> {
         Ok(start.elapsed())
     }
 
+    /// Copies the current weights (a LoRA policy's adapters folded in) as the reference.
     fn freeze_reference(&mut self) -> Result<()> {
         let model = self.policy.model();
-        let host = model.to_host_weights()?;
+        let (config, host) = model.merged_host_weights()?;
         let backend = Arc::clone(model.backend());
-        self.reference = Some(Transformer::from_host_weights(
-            backend,
-            model.config().clone(),
-            &host,
-        )?);
+        self.reference = Some(Transformer::from_host_weights(backend, config, &host)?);
         Ok(())
     }
 
@@ -562,9 +601,23 @@ impl<B: Backend> Engine for LocalEngine<B> {
 
     /// Restores what [`Engine::save_state`] wrote: policy, optimizer state, step, and the
     /// reference model exactly when one was saved. Gradients not yet applied are dropped.
+    /// A LoRA state's adapters go onto this engine's base weights, which must be the
+    /// ones they were trained on (an engine whose own weights were trained refuses).
     fn load_state(&mut self, dir: &Path) -> Result<()> {
         let backend = Arc::clone(self.policy.model().backend());
-        let mut policy = Policy::load(Arc::clone(&backend), dir)?;
+        let mut policy = if is_lora_state(dir) {
+            let current = self.policy.model();
+            if current.lora_config().is_none() && self.policy.step() > 0 {
+                return Err(Error::InvalidRequest(format!(
+                    "{} holds LoRA adapters, but this engine trained its full weights, so \
+                     it no longer holds their base; load it into an engine on the base model",
+                    dir.display()
+                )));
+            }
+            Policy::load_lora(current.share_base()?, dir)?
+        } else {
+            Policy::load(Arc::clone(&backend), dir)?
+        };
         policy.set_recompute(self.options.recompute);
         let reference_dir = dir.join(REFERENCE_DIR);
         let reference = if reference_dir.is_dir() {
@@ -582,14 +635,10 @@ impl<B: Backend> Engine for LocalEngine<B> {
         Ok(())
     }
 
+    /// Writes the weights (a LoRA policy's adapters folded in) as a Hugging Face folder.
     fn export_hf(&mut self, dir: &Path) -> Result<()> {
-        let model = self.policy.model();
-        weights::save_model_dir(
-            dir,
-            model.config(),
-            &model.to_host_weights()?,
-            self.options.export_dtype,
-        )?;
+        let (config, host) = self.policy.model().merged_host_weights()?;
+        weights::save_model_dir(dir, &config, &host, self.options.export_dtype)?;
         if let Some(tokenizer) = &self.tokenizer {
             tokenizer.save_dir(dir)?;
         }
