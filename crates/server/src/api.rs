@@ -31,7 +31,8 @@ pub struct CreateModel {
     pub model_seq_id: u64,
     /// Name of a served base model.
     pub base_model: String,
-    /// LoRA settings: recorded, not applied yet (training is full-weight).
+    /// LoRA settings (see [`crate::convert::lora_config`]); absent for full-weight
+    /// training.
     #[serde(default)]
     pub lora_config: Option<Value>,
     /// Free-form metadata.

@@ -10,7 +10,9 @@
 use std::collections::{BTreeMap, HashMap};
 
 use floe_engine::{Generation, StopReason};
+use floe_model::lora::{LoraConfig, DEFAULT_LORA_ALPHA};
 use floe_trainer::engine::{SequenceGroup, TokenOutputs, TrainGroup, TrainResponse};
+use serde::Deserialize;
 
 use crate::proto;
 
@@ -57,6 +59,55 @@ impl TinkerDatum {
             }],
         }
     }
+}
+
+/// Tinker's `lora_config` as it arrives; absent fields take the protocol's defaults and
+/// unknown ones are ignored, as everywhere in the protocol.
+#[derive(Deserialize)]
+struct TinkerLoraConfig {
+    #[serde(default = "default_lora_rank")]
+    rank: i64,
+    #[serde(default)]
+    seed: Option<u64>,
+    #[serde(default = "yes")]
+    train_attn: bool,
+    #[serde(default = "yes")]
+    train_mlp: bool,
+    #[serde(default = "yes")]
+    train_unembed: bool,
+}
+
+/// Tinker's default rank.
+fn default_lora_rank() -> i64 {
+    32
+}
+
+fn yes() -> bool {
+    true
+}
+
+/// The adapters a `create_model` `lora_config` asks for: `rank` (default 32), `seed`
+/// (absent: a random one, as the SDK documents), `train_attn`, `train_mlp`,
+/// `train_unembed` (default true). Tinker sends no alpha; floe scales the low-rank term
+/// by [`DEFAULT_LORA_ALPHA`]` / rank`.
+pub fn lora_config(value: &serde_json::Value) -> Result<LoraConfig, String> {
+    let wire: TinkerLoraConfig =
+        serde::Deserialize::deserialize(value).map_err(|e| format!("lora_config {value}: {e}"))?;
+    let rank = usize::try_from(wire.rank)
+        .map_err(|_| format!("lora_config: rank {} must be at least 1", wire.rank))?;
+    let config = LoraConfig {
+        rank,
+        alpha: DEFAULT_LORA_ALPHA,
+        train_attn: wire.train_attn,
+        train_mlp: wire.train_mlp,
+        train_unembed: wire.train_unembed,
+        seed: wire.seed.unwrap_or_else(|| {
+            use std::hash::BuildHasher;
+            std::hash::RandomState::new().hash_one(std::time::Instant::now())
+        }),
+    };
+    config.validate().map_err(|e| e.to_string())?;
+    Ok(config)
 }
 
 /// Decodes the datums of a request, checking shapes and token ranges.
@@ -328,6 +379,28 @@ mod tests {
         assert!(short.unwrap_err().contains("has 2 values for 3"));
         let out_of_vocab = decode_datums(&[datum(&[5, 6, 7], &[6, 7, 12], &[1.0; 3])], 10);
         assert!(out_of_vocab.unwrap_err().contains("vocabulary size 10"));
+    }
+
+    #[test]
+    fn lora_config_takes_tinker_defaults_and_names_bad_values() {
+        let config = lora_config(&serde_json::json!({ "rank": 8, "seed": 5 })).unwrap();
+        assert_eq!((config.rank, config.seed), (8, 5));
+        assert!(config.train_attn && config.train_mlp && config.train_unembed);
+        let config =
+            lora_config(&serde_json::json!({ "seed": 3, "train_unembed": false })).unwrap();
+        assert_eq!(
+            (config.rank, config.seed, config.train_unembed),
+            (32, 3, false)
+        );
+        let zero = lora_config(&serde_json::json!({ "rank": 0 })).unwrap_err();
+        assert!(zero.contains("rank"), "{zero}");
+        let negative = lora_config(&serde_json::json!({ "rank": -4 })).unwrap_err();
+        assert!(negative.contains("rank -4"), "{negative}");
+        let nothing =
+            serde_json::json!({ "train_attn": false, "train_mlp": false, "train_unembed": false });
+        assert!(lora_config(&nothing)
+            .unwrap_err()
+            .contains("nothing would train"));
     }
 
     #[test]

@@ -13,9 +13,10 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use floe_engine::policy::OptimParams;
 use floe_engine::{Generation, SampleRequest, SamplingParams};
+use floe_model::lora::LoraConfig;
 use floe_rl::tinker::{tinker_loss, TinkerInputs, TinkerLoss, TinkerLossConfig, LOSS_SUM_METRIC};
 use floe_trainer::engine::{Engine, Loss, Weights};
-use floe_trainer::local::{saved_model_dir, AnyLocalEngine, ModelSource};
+use floe_trainer::local::{saved_weights_source, AdapterSource, AnyLocalEngine, ModelSource};
 use serde::de::DeserializeOwned;
 use serde_json::{json, Value};
 
@@ -26,8 +27,8 @@ use crate::error::ApiError;
 use crate::futures::{parse_request_id, request_id_string, Outcome, Poll};
 use crate::proto;
 use crate::state::{
-    random_id, AppState, CheckpointMeta, ModelFacts, SamplingSession, Session, TinkerPath,
-    TrainingModel, WeightsKind,
+    checkpoint_lora, random_id, AppState, CheckpointMeta, ModelFacts, SamplingSession, Session,
+    TinkerPath, TrainingModel, WeightsKind,
 };
 use crate::worker::{EngineBuilder, Job, Worker};
 
@@ -220,7 +221,7 @@ fn create_training_model(
     session_id: &str,
     model_seq_id: u64,
     base_model: &str,
-    lora_config: Option<Value>,
+    lora: Option<LoraConfig>,
     base: LoadedBase,
     state_dir: Option<std::path::PathBuf>,
     ready: impl FnOnce(&str) -> Value,
@@ -243,7 +244,7 @@ fn create_training_model(
         model_id.clone(),
         session_id.to_string(),
         base_model.to_string(),
-        lora_config,
+        lora,
         facts,
         created,
         worker,
@@ -254,13 +255,22 @@ fn create_training_model(
     Ok((created, model_id))
 }
 
-/// `POST /create_model` (future ⇒ `{model_id}`). Training is full-weight; `lora_config`
-/// is recorded only.
+/// `POST /create_model` (future ⇒ `{model_id}`). With `lora_config` the model trains
+/// adapters on a frozen base; without it, every weight.
 pub async fn create_model(State(app): State<AppRef>, body: Body) -> Result<Json<Value>, ApiError> {
     let request: api::CreateModel = json_body("create_model", body)?;
-    let base = load_base(&app, &request.base_model)?;
-    if let Some(lora) = &request.lora_config {
-        tracing::warn!(lora = %lora, "lora_config recorded; this server trains every weight");
+    let mut base = load_base(&app, &request.base_model)?;
+    let lora = request
+        .lora_config
+        .as_ref()
+        .map(convert::lora_config)
+        .transpose()
+        .map_err(ApiError::bad_request)?;
+    if let Some(lora) = &lora {
+        base.source = ModelSource::Lora {
+            base: Box::new(base.source),
+            adapters: AdapterSource::Fresh(lora.clone()),
+        };
     }
     tracing::info!(metadata = ?request.user_metadata, base = %request.base_model, "create_model");
     let (id, model_id) = create_training_model(
@@ -268,7 +278,7 @@ pub async fn create_model(State(app): State<AppRef>, body: Body) -> Result<Json<
         &request.session_id,
         request.model_seq_id,
         &request.base_model,
-        request.lora_config,
+        lora,
         base,
         None,
         |model_id| json!({ "model_id": model_id, "type": "create_model" }),
@@ -289,8 +299,8 @@ pub async fn get_info(State(app): State<AppRef>, body: Body) -> Result<Json<Valu
             "tokenizer_id": model.base_model,
         },
         "model_name": model.base_model,
-        "is_lora": false,
-        "lora_config_requested": model.lora_config,
+        "is_lora": model.lora.is_some(),
+        "lora_rank": model.lora.as_ref().map(|l| l.rank),
         "max_context_length": model.facts.max_context,
     })))
 }
@@ -606,12 +616,13 @@ pub async fn load_weights(State(app): State<AppRef>, body: Body) -> Result<Json<
     match (&request.session_id, request.model_seq_id, &request.model_id, request.seq_id) {
         (Some(session_id), Some(model_seq_id), _, _) => {
             let mut base = load_base(&app, &meta.base_model)?;
-            // Without the optimizer the engine starts from the saved weights with fresh
-            // AdamW moments; with it the whole saved state is restored.
+            let lora = checkpoint_lora(&dir)?;
+            // Without the optimizer the engine starts from the saved weights (or
+            // adapters) with fresh AdamW moments; with it the whole saved state is restored.
             let state_dir = if request.optimizer {
                 Some(dir)
             } else {
-                base.source = ModelSource::Dir(saved_model_dir(&dir));
+                base.source = saved_weights_source(&dir, base.source);
                 None
             };
             let path_text = path.to_string();
@@ -620,7 +631,7 @@ pub async fn load_weights(State(app): State<AppRef>, body: Body) -> Result<Json<
                 session_id,
                 model_seq_id,
                 &meta.base_model,
-                None,
+                lora,
                 base,
                 state_dir,
                 |model_id| json!({ "model_id": model_id, "path": path_text, "type": "load_weights" }),
@@ -665,7 +676,7 @@ pub async fn create_sampling_session(
             let dir = app.checkpoint_dir(&path);
             let meta = CheckpointMeta::read(&dir, &path)?;
             let mut base = load_base(&app, &meta.base_model)?;
-            base.source = ModelSource::Dir(saved_model_dir(&dir));
+            base.source = saved_weights_source(&dir, base.source);
             (meta.base_model, base)
         }
         (None, Some(base_model)) => (base_model.clone(), load_base(&app, base_model)?),

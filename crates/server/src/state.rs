@@ -9,6 +9,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use axum::http::StatusCode;
+use floe_engine::policy::{is_lora_state, ADAPTER_DIR};
+use floe_model::lora::{read_adapter_config, LoraConfig};
 use floe_trainer::local::LocalEngineOptions;
 use serde::{Deserialize, Serialize};
 
@@ -72,8 +74,9 @@ pub struct TrainingModel {
     pub session_id: String,
     /// The base model name the client asked for.
     pub base_model: String,
-    /// The LoRA settings the client sent (recorded; training is full-weight).
-    pub lora_config: Option<serde_json::Value>,
+    /// Its adapters' settings when it trains LoRA adapters on a frozen base; `None`
+    /// for full-weight training.
+    pub lora: Option<LoraConfig>,
     /// The model's facts.
     pub facts: ModelFacts,
     /// The future of its creation (answered again to a re-sent create).
@@ -239,7 +242,7 @@ impl TrainingModel {
         id: String,
         session_id: String,
         base_model: String,
-        lora_config: Option<serde_json::Value>,
+        lora: Option<LoraConfig>,
         facts: ModelFacts,
         created: u64,
         worker: Arc<Worker>,
@@ -253,7 +256,7 @@ impl TrainingModel {
             id,
             session_id,
             base_model,
-            lora_config,
+            lora,
             facts,
             created,
             worker,
@@ -370,6 +373,22 @@ fn check_segment(what: &str, segment: &str) -> Result<(), ApiError> {
         )));
     }
     Ok(())
+}
+
+/// The adapters' settings of a saved LoRA state in `dir` (read from its PEFT
+/// `adapter_config.json`), or `None` for a full-weight state.
+pub fn checkpoint_lora(dir: &Path) -> Result<Option<LoraConfig>, ApiError> {
+    if !is_lora_state(dir) {
+        return Ok(None);
+    }
+    let adapters = dir.join(ADAPTER_DIR);
+    let config = read_adapter_config(&adapters).map_err(|e| {
+        ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("{}: {e}", adapters.display()),
+        )
+    })?;
+    Ok(Some(config))
 }
 
 /// What a checkpoint folder records about itself, beside the engine's files.
