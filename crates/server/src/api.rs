@@ -124,6 +124,9 @@ pub struct LoadWeights {
     pub model_id: Option<String>,
     /// Legacy: position in that model's request order.
     pub seq_id: Option<i64>,
+    /// Create-via-load: free-form metadata of the new run.
+    #[serde(default)]
+    pub user_metadata: Option<Value>,
 }
 
 /// `create_sampling_session`.
@@ -243,4 +246,57 @@ pub enum Stop {
 pub struct RetrieveFuture {
     /// The future.
     pub request_id: String,
+    /// A finished result may be answered with its size first (`complete_metadata`), so
+    /// the SDK reserves memory for it before fetching it.
+    #[serde(default)]
+    pub allow_metadata_only: bool,
+}
+
+/// `retrieve_futures`: long-polls a sampling client's completion log.
+#[derive(Debug, Deserialize)]
+pub struct RetrieveFutures {
+    /// Whose completions.
+    pub target: FuturesTarget,
+    /// Completions up to this cursor were seen (0: none).
+    #[serde(default)]
+    pub prev_cursor: u64,
+    /// Longest wait in seconds (0 answers at once; absent means the long-poll time).
+    pub timeout: Option<f64>,
+}
+
+/// The target of [`RetrieveFutures`].
+#[derive(Debug, Deserialize)]
+pub struct FuturesTarget {
+    /// Only `sampling_session`.
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// The sampling session.
+    pub sampling_session_id: String,
+    /// A cloned sampling client's number (its `seq_id`s count from this times 10⁹).
+    #[serde(default)]
+    pub cloned_sampler_id: u64,
+}
+
+/// `cancel_future`.
+#[derive(Debug, Deserialize)]
+pub struct CancelFuture {
+    /// The future to cancel.
+    pub request_id: String,
+}
+
+/// `weights_info`.
+#[derive(Debug, Deserialize)]
+pub struct WeightsInfo {
+    /// A `tinker://` path of saved weights.
+    pub tinker_path: String,
+}
+
+/// Query of the listing routes (`training_runs`, `checkpoints`).
+#[derive(Debug, Deserialize)]
+pub struct Page {
+    /// Most items to return.
+    pub limit: Option<usize>,
+    /// Items to skip.
+    #[serde(default)]
+    pub offset: usize,
 }

@@ -147,4 +147,31 @@ impl Catalog {
     pub fn is_empty(&self) -> bool {
         self.models.is_empty()
     }
+
+    /// Where each model's tokenizer can be loaded from as a Hugging Face folder (clients
+    /// tokenize; the server never does): a model folder is its own, an embedded model's
+    /// tokenizer is written to `{dir}/{NAME}/` first. Models without a tokenizer are
+    /// left out.
+    pub fn tokenizer_dirs(&self, dir: &Path) -> Result<Vec<(String, PathBuf)>, String> {
+        let mut dirs = Vec::new();
+        for (name, weights) in &self.models {
+            match weights {
+                BaseWeights::Dir(model_dir) => {
+                    if model_dir.join("tokenizer.json").is_file() {
+                        dirs.push((name.clone(), model_dir.clone()));
+                    }
+                }
+                BaseWeights::EmbeddedTiny => {
+                    let out = dir.join(name);
+                    let loaded = weights.load()?;
+                    let tokenizer = loaded.tokenizer.expect("the embedded model has a tokenizer");
+                    tokenizer
+                        .save_dir(&out)
+                        .map_err(|e| format!("writing the tokenizer of {name:?}: {e}"))?;
+                    dirs.push((name.clone(), out));
+                }
+            }
+        }
+        Ok(dirs)
+    }
 }

@@ -18,7 +18,9 @@ pub mod error;
 pub mod futures;
 pub mod proto;
 pub mod routes;
+pub mod rest;
 pub mod state;
+pub mod runs;
 pub mod worker;
 
 use std::sync::Arc;
@@ -27,7 +29,7 @@ use axum::extract::{DefaultBodyLimit, Request, State};
 use axum::http::StatusCode;
 use axum::middleware::{self, Next};
 use axum::response::Response;
-use axum::routing::{get, post};
+use axum::routing::{delete, get, post};
 use axum::Router;
 
 pub use catalog::Catalog;
@@ -74,6 +76,20 @@ pub fn router(config: ServerConfig) -> Router {
         .route("/asample", post(routes::asample))
         .route("/retrieve_future", post(routes::retrieve_future))
         .route_layer(middleware::from_fn_with_state(
+        .route("/retrieve_futures", post(rest::retrieve_futures))
+        .route("/cancel_future", post(rest::cancel_future))
+        .route("/weights_info", post(rest::weights_info))
+        .route("/training_runs", get(rest::list_training_runs))
+        .route("/training_runs/{run_id}", get(rest::get_training_run))
+        .route(
+            "/training_runs/{run_id}/checkpoints",
+            get(rest::list_run_checkpoints),
+        )
+        .route(
+            "/training_runs/{run_id}/checkpoints/{kind}/{name}",
+            delete(rest::delete_checkpoint),
+        )
+        .route("/checkpoints", get(rest::list_all_checkpoints))
             Arc::clone(&app),
             authenticate,
         ))
@@ -136,10 +152,11 @@ async fn authenticate(
     Ok(next.run(request).await)
 }
 
-/// Drops expired futures in the background, a few times per expiry period.
+/// Drops expired futures and sessions in the background, a few times per expiry period.
 fn spawn_expiry(app: &AppRef) {
-    let futures = Arc::clone(&app.futures);
-    let period = (futures.expiry() / 4).clamp(
+    let app = Arc::clone(app);
+    let session_expiry = app.config.session_expiry;
+    let period = (app.futures.expiry().min(session_expiry) / 4).clamp(
         std::time::Duration::from_millis(50),
         std::time::Duration::from_secs(30),
     );
@@ -148,7 +165,8 @@ fn spawn_expiry(app: &AppRef) {
             let mut ticks = tokio::time::interval(period);
             loop {
                 ticks.tick().await;
-                futures.expire();
+                app.futures.expire();
+                routes::expire_sessions(&app, session_expiry);
             }
         });
     }

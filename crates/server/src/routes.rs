@@ -3,7 +3,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
@@ -24,8 +24,9 @@ use crate::api;
 use crate::catalog::LoadedBase;
 use crate::convert::{self, TinkerDatum};
 use crate::error::ApiError;
-use crate::futures::{parse_request_id, request_id_string, Outcome, Poll};
+use crate::futures::{parse_request_id, request_id_string, CancelTicket, Outcome, Poll};
 use crate::proto;
+use crate::rest;
 use crate::state::{
     checkpoint_lora, random_id, AppState, CheckpointMeta, ModelFacts, SamplingSession, Session,
     TinkerPath, TrainingModel, WeightsKind,
@@ -38,7 +39,7 @@ pub type AppRef = Arc<AppState>;
 pub type Body = Result<Bytes, BytesRejection>;
 
 /// Parses a JSON body; a malformed one is a 400 naming the route and the problem.
-fn json_body<T: DeserializeOwned>(route: &str, body: Body) -> Result<T, ApiError> {
+pub(crate) fn json_body<T: DeserializeOwned>(route: &str, body: Body) -> Result<T, ApiError> {
     let body =
         body.map_err(|e| ApiError::new(e.status(), format!("{route}: {}", e.body_text())))?;
     serde_json::from_slice(&body)
@@ -135,16 +136,52 @@ pub async fn finish_session(
     body: Body,
 ) -> Result<Json<Value>, ApiError> {
     let reason: Value = json_body("finish", body)?;
-    let mut registry = app.registry();
-    if registry.sessions.remove(&session_id).is_none() {
+    if !remove_session(&app, &session_id, "the session finished") {
         return Err(ApiError::not_found(format!(
             "unknown session_id {session_id:?}"
         )));
     }
-    registry.models.retain(|_, m| m.session_id != session_id);
-    registry.samplers.retain(|_, s| s.session_id != session_id);
     tracing::info!(session = %session_id, reason = %reason, "session finished");
     Ok(Json(json!({ "status": "finished" })))
+}
+
+/// Drops session `id` with its models and samplers, failing requests its models held
+/// for `seq_id`s that never came; false when the session is not held.
+fn remove_session(app: &AppState, id: &str, why: &str) -> bool {
+    let mut registry = app.registry();
+    if registry.sessions.remove(id).is_none() {
+        return false;
+    }
+    let reason = format!("{why} before this request's turn came");
+    registry.models.retain(|_, model| {
+        let keep = model.session_id != id;
+        if !keep {
+            model.fail_held(&app.futures, &reason);
+        }
+        keep
+    });
+    registry.samplers.retain(|_, s| s.session_id != id);
+    true
+}
+
+/// Drops every session whose last heartbeat is older than `max_idle` (a crashed client
+/// stops sending them), freeing its engines; returns the dropped ids.
+pub fn expire_sessions(app: &AppState, max_idle: Duration) -> Vec<String> {
+    let now = Instant::now();
+    let idle: Vec<String> = app
+        .registry()
+        .sessions
+        .iter()
+        .filter(|(_, session)| now.duration_since(session.last_heartbeat) > max_idle)
+        .map(|(id, _)| id.clone())
+        .collect();
+    for id in &idle {
+        let why = format!("the session expired (no heartbeat for {max_idle:?})");
+        if remove_session(app, id, &why) {
+            tracing::info!(session = %id, "{why}");
+        }
+    }
+    idle
 }
 
 /// Loads a base model's shape and tokenizer; the engine builds on its own thread.
@@ -284,6 +321,7 @@ pub async fn create_model(State(app): State<AppRef>, body: Body) -> Result<Json<
         |model_id| json!({ "model_id": model_id, "type": "create_model" }),
     )?;
     Ok(future_response(id, json!({ "model_id": model_id })))
+    rest::record_run(&app, &model_id, request.user_metadata.as_ref())?;
 }
 
 /// `POST /get_info`.
@@ -640,6 +678,7 @@ pub async fn load_weights(State(app): State<AppRef>, body: Body) -> Result<Json<
         }
         (_, _, Some(model_id), Some(seq_id)) => {
             let model = app.model(model_id)?;
+            rest::record_run(&app, &model_id, request.user_metadata.as_ref())?;
             let job: Job = Box::new(move |engine| match engine.load_state(&dir) {
                 Ok(()) => Outcome::Json(json!({ "path": path.to_string(), "type": "load_weights" })),
                 Err(e) => Outcome::server_error(format!("load_weights {path}: {e}")),
@@ -764,7 +803,8 @@ pub async fn asample(State(app): State<AppRef>, body: Body) -> Result<Json<Value
         n: request.num_samples,
         params,
     };
-    let job = sample_job(sample, request.prompt_logprobs);
+    let ticket = CancelTicket::default();
+    let job = sample_job(sample, request.prompt_logprobs, ticket.clone());
     let id = app.submit_unordered(&sampler.worker, job)?;
     let ids: Vec<String> = (0..request.num_samples)
         .map(|i| format!("{sampler_id}:{}:{i}", request.seq_id))
@@ -773,6 +813,9 @@ pub async fn asample(State(app): State<AppRef>, body: Body) -> Result<Json<Value
 }
 
 fn prompt_tokens(prompt: &api::ModelInput, vocab_size: usize) -> Result<Vec<u32>, ApiError> {
+    app.futures.set_cancel_ticket(id, ticket);
+    app.futures
+        .track(id, rest::completion_log_key(sampler_id, request.seq_id));
     let mut tokens = Vec::new();
     for chunk in &prompt.chunks {
         if chunk.kind != "encoded_text" {
@@ -834,7 +877,7 @@ fn sampling_params(
     })
 }
 
-fn sample_job(sample: SampleRequest, with_prompt_logprobs: bool) -> Job {
+fn sample_job(sample: SampleRequest, with_prompt_logprobs: bool, ticket: CancelTicket) -> Job {
     Box::new(move |engine| {
         let prompt_logprobs = if with_prompt_logprobs {
             let group = floe_trainer::engine::SequenceGroup {
@@ -843,6 +886,9 @@ fn sample_job(sample: SampleRequest, with_prompt_logprobs: bool) -> Job {
             };
             if sample.prompt.len() == 1 {
                 Some(vec![f64::NAN])
+        if !ticket.start() {
+            return Outcome::user_error("sample: cancelled by the client before it started");
+        }
             } else {
                 match engine.forward(&[group], Weights::Policy, 1.0) {
                     Ok(mut outputs) => {
@@ -874,6 +920,11 @@ pub async fn retrieve_future(State(app): State<AppRef>, body: Body) -> Result<Re
     let id = parse_request_id(&request.request_id).ok_or_else(|| {
         ApiError::not_found(format!("unknown request_id {:?}", request.request_id))
     })?;
+/// The `complete_metadata` answer of a finished future whose payload has `size` bytes.
+fn metadata_only(size: usize) -> Response {
+    Json(json!({ "status": "complete_metadata", "response_payload_size": size })).into_response()
+}
+
     Ok(match app.futures.poll(id, app.config.long_poll).await {
         Poll::Ready(outcome) => match &*outcome {
             Outcome::Json(value) => Json(value.clone()).into_response(),
@@ -883,6 +934,11 @@ pub async fn retrieve_future(State(app): State<AppRef>, body: Body) -> Result<Re
             )
                 .into_response(),
             Outcome::Failed { error, category } => {
+            // The SDK reserves memory for the payload, then polls again for it.
+            Outcome::Json(value) if request.allow_metadata_only => {
+                metadata_only(value.to_string().len())
+            }
+            Outcome::Proto(bytes) if request.allow_metadata_only => metadata_only(bytes.len()),
                 Json(json!({ "error": error, "category": category })).into_response()
             }
         },

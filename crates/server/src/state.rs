@@ -43,6 +43,9 @@ pub struct ServerConfig {
     pub long_poll: Duration,
     /// How long a finished future stays retrievable (then 410).
     pub future_expiry: Duration,
+    /// How long a session lives without a heartbeat before it is dropped with its
+    /// models and samplers.
+    pub session_expiry: Duration,
     /// Largest request body, after decompression.
     pub max_body_bytes: usize,
     /// Most unfinished requests per engine before answering 429.
@@ -250,6 +253,15 @@ impl TrainingModel {
         let order = SeqOrder {
             next: 1,
             held: BTreeMap::new(),
+    /// Fails every request held for a missing earlier `seq_id` with `reason` (the model
+    /// is being dropped, so they would never run).
+    pub fn fail_held(&self, futures: &Futures, reason: &str) {
+        let mut order = self.order.lock().unwrap_or_else(|e| e.into_inner());
+        for (_, (id, _)) in std::mem::take(&mut order.held) {
+            futures.complete(id, Outcome::user_error(reason));
+        }
+    }
+
             issued: HashMap::from([(0, created)]),
         };
         Self {
@@ -296,7 +308,8 @@ pub enum WeightsKind {
 }
 
 impl WeightsKind {
-    fn dir_name(self) -> &'static str {
+    /// The path segment and folder name of this kind.
+    pub fn dir_name(self) -> &'static str {
         match self {
             WeightsKind::Weights => "weights",
             WeightsKind::SamplerWeights => "sampler_weights",

@@ -3,82 +3,12 @@
 
 mod common;
 
-use std::collections::HashMap;
 use std::time::Duration;
 
 use common::*;
 use floe_server::proto;
 use prost::Message;
 use serde_json::json;
-
-fn tokens_bytes(tokens: &[i32]) -> Vec<u8> {
-    tokens.iter().flat_map(|t| t.to_le_bytes()).collect()
-}
-
-fn tensor(values: Vec<u8>, dtype: i32, len: usize) -> proto::Tensor {
-    proto::Tensor {
-        encoding: Some(proto::tensor::Encoding::Dense(values)),
-        dtype,
-        shape: vec![len as i64],
-    }
-}
-
-/// A next-token cross-entropy datum over `tokens`.
-fn datum(tokens: &[i32]) -> proto::Datum {
-    let n = tokens.len() - 1;
-    let targets: Vec<u8> = tokens[1..]
-        .iter()
-        .flat_map(|&t| i64::from(t).to_le_bytes())
-        .collect();
-    let weights: Vec<u8> = (0..n).flat_map(|_| 1f32.to_le_bytes()).collect();
-    proto::Datum {
-        model_input: vec![proto::Chunk {
-            chunk: Some(proto::chunk::Chunk::EncodedText(proto::EncodedTextChunk {
-                tokens: tokens_bytes(&tokens[..n]),
-            })),
-        }],
-        loss_fn_inputs: HashMap::from([
-            (
-                "target_tokens".to_string(),
-                tensor(targets, proto::DTYPE_INT64, n),
-            ),
-            (
-                "weights".to_string(),
-                tensor(weights, proto::DTYPE_FLOAT32, n),
-            ),
-        ]),
-    }
-}
-
-fn fwdbwd(model_id: &str, seq_id: i32, forward_only: bool) -> Vec<u8> {
-    proto::ForwardBackwardRequest {
-        model_id: model_id.to_string(),
-        seq_id,
-        data: vec![datum(&[11, 12, 13, 14, 15]), datum(&[21, 22, 23])],
-        loss_fn: "cross_entropy".into(),
-        forward_only,
-        ..Default::default()
-    }
-    .encode_to_vec()
-}
-
-fn optim(model_id: &str, seq_id: i64) -> serde_json::Value {
-    json!({
-        "model_id": model_id, "seq_id": seq_id, "type": "optim_step",
-        "adam_params": {"learning_rate": 0.01, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8,
-                        "weight_decay": 0.0, "grad_clip_norm": 0.0}
-    })
-}
-
-fn request_id(reply: &Reply) -> String {
-    assert_eq!(
-        reply.status,
-        200,
-        "{}",
-        String::from_utf8_lossy(&reply.body)
-    );
-    reply.json()["request_id"].as_str().unwrap().to_string()
-}
 
 /// Decodes a `ForwardBackwardOutput` result: the loss and each datum's log-prob count.
 fn loss_of(reply: &Reply) -> (f64, Vec<usize>) {
@@ -192,25 +122,25 @@ fn training_runs_in_seq_order_and_gradients_accumulate_until_optim_step() {
 
     // The optimizer step (seq 3) arrives before the two chunks it depends on (seq 1, 2);
     // it must wait for them, and its future long-polls until then.
-    let step = request_id(&post_json(addr, "optim_step", &optim(&model_id, 3)));
+    let step = request_id(&post_json(addr, "optim_step", &optim_body(&model_id, 3)));
     let early = post_json(addr, "retrieve_future", &json!({"request_id": step}));
     assert_eq!(early.json()["type"], "try_again");
     let second = request_id(&post_proto(
         addr,
         "forward_backward",
-        &fwdbwd(&model_id, 2, false),
+        &fwdbwd_body(&model_id, 2, false),
     ));
     let first = request_id(&post_proto(
         addr,
         "forward_backward",
-        &fwdbwd(&model_id, 1, false),
+        &fwdbwd_body(&model_id, 1, false),
     ));
     // A re-sent request gets its original future.
     assert_eq!(
         request_id(&post_proto(
             addr,
             "forward_backward",
-            &fwdbwd(&model_id, 1, false)
+            &fwdbwd_body(&model_id, 1, false)
         )),
         first
     );
@@ -231,7 +161,7 @@ fn training_runs_in_seq_order_and_gradients_accumulate_until_optim_step() {
     let after = request_id(&post_proto(
         addr,
         "forward_backward",
-        &fwdbwd(&model_id, 4, true),
+        &fwdbwd_body(&model_id, 4, true),
     ));
     let (loss3, _) = loss_of(&retrieve(addr, &after));
     assert!(
@@ -318,7 +248,7 @@ fn zstd_bodies_are_read_and_finished_futures_expire_with_410() {
     let addr = start(config);
     let (_, model_id) = create_model(addr);
     // A zstd-compressed body (the SDK's proto_compress_fwdbwd).
-    let compressed = zstd::encode_all(&fwdbwd(&model_id, 1, true)[..], 3).unwrap();
+    let compressed = zstd::encode_all(&fwdbwd_body(&model_id, 1, true)[..], 3).unwrap();
     let submitted = request(
         addr,
         "POST",
@@ -349,7 +279,7 @@ fn invalid_requests_fail_in_turn_and_a_full_queue_answers_429() {
     let (_, model_id) = create_model(addr);
     // A datum whose targets are not the input shifted by one fails inside its future and
     // still takes its seq_id, so the next request runs.
-    let mut bad = proto::ForwardBackwardRequest::decode(&fwdbwd(&model_id, 1, false)[..]).unwrap();
+    let mut bad = proto::ForwardBackwardRequest::decode(&fwdbwd_body(&model_id, 1, false)[..]).unwrap();
     bad.data[0].loss_fn_inputs.insert(
         "target_tokens".into(),
         tensor(
@@ -377,14 +307,14 @@ fn invalid_requests_fail_in_turn_and_a_full_queue_answers_429() {
     let next = request_id(&post_proto(
         addr,
         "forward_backward",
-        &fwdbwd(&model_id, 2, true),
+        &fwdbwd_body(&model_id, 2, true),
     ));
     loss_of(&retrieve(addr, &next));
 
     // seq 3 is missing: 4 and 5 wait for it, and the queue (2) is then full.
-    request_id(&post_json(addr, "optim_step", &optim(&model_id, 4)));
-    request_id(&post_json(addr, "optim_step", &optim(&model_id, 5)));
-    let full = post_json(addr, "optim_step", &optim(&model_id, 6));
+    request_id(&post_json(addr, "optim_step", &optim_body(&model_id, 4)));
+    request_id(&post_json(addr, "optim_step", &optim_body(&model_id, 5)));
+    let full = post_json(addr, "optim_step", &optim_body(&model_id, 6));
     assert_eq!(full.status, 429);
     assert!(full.json()["detail"]
         .as_str()

@@ -50,6 +50,10 @@ pub struct Args {
     /// Seconds a finished request's result stays retrievable.
     #[arg(long, default_value_t = 3600)]
     future_expiry_secs: u64,
+    /// Seconds a session lives without a heartbeat (the SDK sends one every 10 s); an
+    /// expired session's models and samplers are dropped.
+    #[arg(long, default_value_t = 600)]
+    session_expiry_secs: u64,
     /// Largest request body in MiB (after decompression).
     #[arg(long, default_value_t = 256)]
     max_body_mib: usize,
@@ -62,6 +66,14 @@ pub struct Args {
 pub fn run(args: Args) -> anyhow::Result<()> {
     let catalog = Catalog::from_specs(&args.models).map_err(anyhow::Error::msg)?;
     let auth = auth(&args)?;
+    // Clients tokenize (the cookbook looks tokenizers up by model name), so say where
+    // each served model's tokenizer loads from.
+    let tokenizers = catalog
+        .tokenizer_dirs(&args.data_dir.join("tokenizers"))
+        .map_err(anyhow::Error::msg)?;
+    for (name, dir) in tokenizers {
+        eprintln!("tokenizer of {name}: {}", dir.display());
+    }
     let config = ServerConfig {
         catalog,
         data_dir: args.data_dir,
@@ -73,6 +85,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         },
         long_poll: Duration::from_secs(args.long_poll_secs),
         future_expiry: Duration::from_secs(args.future_expiry_secs),
+        session_expiry: Duration::from_secs(args.session_expiry_secs),
         max_body_bytes: args.max_body_mib << 20,
         max_queued_per_engine: args.max_queued.max(1),
     };

@@ -2,13 +2,13 @@
 
 #![allow(dead_code)]
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::path::Path;
 use std::time::Duration;
 
-use floe_server::{Auth, Catalog, ServerConfig};
+use floe_server::{proto, Auth, Catalog, ServerConfig};
 use floe_trainer::local::LocalEngineOptions;
 
 /// The key the test servers accept.
@@ -29,6 +29,7 @@ pub fn config(data_dir: &Path) -> ServerConfig {
         },
         long_poll: Duration::from_secs(2),
         future_expiry: Duration::from_secs(60),
+        session_expiry: Duration::from_secs(600),
         max_body_bytes: 1 << 20,
         max_queued_per_engine: 64,
     }
@@ -50,6 +51,52 @@ pub fn start(config: ServerConfig) -> SocketAddr {
         });
     });
     receiver.recv().unwrap()
+}
+
+/// A server that can be stopped, as a process exit would stop it: connections close,
+/// its tasks and engines are dropped, only files on disk remain.
+pub struct Stoppable {
+    /// Its address.
+    pub addr: SocketAddr,
+    stop: tokio::sync::oneshot::Sender<()>,
+    thread: std::thread::JoinHandle<()>,
+}
+
+impl Stoppable {
+    /// Starts a server on its own runtime thread.
+    pub fn start(config: ServerConfig) -> Self {
+        let (addr_sender, addr_receiver) = std::sync::mpsc::channel();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let thread = std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()
+                .unwrap();
+            runtime.block_on(async move {
+                let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+                addr_sender.send(listener.local_addr().unwrap()).unwrap();
+                tokio::select! {
+                    served = floe_server::serve(listener, config) => served.unwrap(),
+                    _ = stopped => {}
+                }
+            });
+            // Dropping the runtime drops every task (open connections, long polls, the
+            // expiry loop) and with them the server state and its engine handles.
+            runtime.shutdown_background();
+        });
+        Self {
+            addr: addr_receiver.recv().unwrap(),
+            stop,
+            thread,
+        }
+    }
+
+    /// Stops the server and waits until its runtime is gone.
+    pub fn stop(self) {
+        let _ = self.stop.send(());
+        self.thread.join().unwrap();
+    }
 }
 
 /// An HTTP answer.
@@ -214,4 +261,104 @@ pub fn create_model(addr: SocketAddr) -> (String, String) {
     let model_id = result["model_id"].as_str().unwrap().to_string();
     assert_eq!(model_id, format!("{session_id}:train:0"));
     (session_id, model_id)
+}
+
+/// Token ids as the protobuf's int32 little-endian bytes.
+pub fn tokens_bytes(tokens: &[i32]) -> Vec<u8> {
+    tokens.iter().flat_map(|t| t.to_le_bytes()).collect()
+}
+
+/// A 1-D dense protobuf tensor.
+pub fn tensor(values: Vec<u8>, dtype: i32, len: usize) -> proto::Tensor {
+    proto::Tensor {
+        encoding: Some(proto::tensor::Encoding::Dense(values)),
+        dtype,
+        shape: vec![len as i64],
+    }
+}
+
+/// A next-token cross-entropy datum over `tokens`.
+pub fn datum(tokens: &[i32]) -> proto::Datum {
+    let n = tokens.len() - 1;
+    let targets: Vec<u8> = tokens[1..]
+        .iter()
+        .flat_map(|&t| i64::from(t).to_le_bytes())
+        .collect();
+    let weights: Vec<u8> = (0..n).flat_map(|_| 1f32.to_le_bytes()).collect();
+    proto::Datum {
+        model_input: vec![proto::Chunk {
+            chunk: Some(proto::chunk::Chunk::EncodedText(proto::EncodedTextChunk {
+                tokens: tokens_bytes(&tokens[..n]),
+            })),
+        }],
+        loss_fn_inputs: HashMap::from([
+            (
+                "target_tokens".to_string(),
+                tensor(targets, proto::DTYPE_INT64, n),
+            ),
+            (
+                "weights".to_string(),
+                tensor(weights, proto::DTYPE_FLOAT32, n),
+            ),
+        ]),
+    }
+}
+
+/// The `request_id` of a 200 submit answer.
+pub fn request_id(reply: &Reply) -> String {
+    assert_eq!(
+        reply.status,
+        200,
+        "{}",
+        String::from_utf8_lossy(&reply.body)
+    );
+    reply.json()["request_id"].as_str().unwrap().to_string()
+}
+
+/// Each datum's `logprobs` from a `ForwardBackwardOutput` result.
+pub fn logprobs_of(reply: &Reply) -> Vec<Vec<f32>> {
+    assert_eq!(
+        reply.content_type,
+        "application/x-protobuf",
+        "{}",
+        String::from_utf8_lossy(&reply.body)
+    );
+    let out = <proto::ForwardBackwardOutput as prost::Message>::decode(&reply.body[..]).unwrap();
+    let field = &out.loss_fn_outputs[0].fields["logprobs"];
+    let offsets: Vec<usize> = field
+        .offsets
+        .chunks_exact(8)
+        .map(|b| i64::from_le_bytes(b.try_into().unwrap()) as usize)
+        .collect();
+    offsets
+        .windows(2)
+        .map(|w| {
+            field.data[w[0]..w[1]]
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+                .collect()
+        })
+        .collect()
+}
+
+/// A `forward_backward` body over two fixed datums (`forward_only` for `forward`).
+pub fn fwdbwd_body(model_id: &str, seq_id: i32, forward_only: bool) -> Vec<u8> {
+    let request = proto::ForwardBackwardRequest {
+        model_id: model_id.to_string(),
+        seq_id,
+        data: vec![datum(&[11, 12, 13, 14, 15]), datum(&[21, 22, 23])],
+        loss_fn: "cross_entropy".into(),
+        forward_only,
+        ..Default::default()
+    };
+    prost::Message::encode_to_vec(&request)
+}
+
+/// An `optim_step` body with a large learning rate (the tiny model moves visibly).
+pub fn optim_body(model_id: &str, seq_id: i64) -> serde_json::Value {
+    serde_json::json!({
+        "model_id": model_id, "seq_id": seq_id, "type": "optim_step",
+        "adam_params": {"learning_rate": 0.01, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8,
+                        "weight_decay": 0.0, "grad_clip_norm": 0.0}
+    })
 }
