@@ -394,7 +394,8 @@ impl Default for SqlEnvConfig {
 #[serde(default, deny_unknown_fields)]
 pub struct ModelSpec {
     /// A Hugging Face model folder (`config.json`, `*.safetensors`, `tokenizer.json`), or
-    /// `embedded:tiny` for the built-in tiny Qwen3-shape model.
+    /// `embedded:tiny` for the built-in tiny Qwen3-shape model, `embedded:0.6B` (any Qwen3
+    /// preset shape) for a random model of that size over the embedded tokenizer.
     pub path: String,
     /// `[model.chat_template]`: options passed to the chat template.
     pub chat_template: ChatTemplateOptions,
@@ -512,8 +513,12 @@ pub struct SftConfig {
     pub enabled: bool,
     /// Passes over the SFT examples.
     pub epochs: usize,
-    /// Constant learning rate of the warm start.
+    /// Peak learning rate of the warm start.
     pub lr: f64,
+    /// Schedule of the learning rate after warmup, over all SFT optimiser steps.
+    pub scheduler: Scheduler,
+    /// Optimiser steps of linear warmup from 0 to `lr`.
+    pub num_warmup_steps: usize,
     /// Examples per optimiser step.
     pub batch_size: usize,
 }
@@ -524,6 +529,8 @@ impl Default for SftConfig {
             enabled: false,
             epochs: 1,
             lr: 1e-5,
+            scheduler: Scheduler::Constant,
+            num_warmup_steps: 0,
             batch_size: 8,
         }
     }

@@ -14,6 +14,38 @@ use crate::error::Result;
 /// `model.path` of the embedded tiny model.
 pub const EMBEDDED_TINY: &str = "embedded:tiny";
 
+/// Prefix of every embedded `model.path`: `embedded:tiny`, or `embedded:<shape>` with a
+/// Qwen3 shape of [`ModelConfig::preset`] (`0.6B`, `1.7B`, ...) over the embedded tokenizer,
+/// randomly initialised: the whole pipeline at a real model's size with no download.
+pub const EMBEDDED_PREFIX: &str = "embedded:";
+
+/// Whether `path` names an embedded model (its tokenizer lives in the run directory).
+pub fn is_embedded(path: &str) -> bool {
+    path.starts_with(EMBEDDED_PREFIX)
+}
+
+/// The model config an embedded `path` names over `tokenizer`'s ids; `Ok(None)` when
+/// `path` is not embedded.
+pub fn embedded_model(path: &str, tokenizer: &Tokenizer) -> Result<Option<ModelConfig>> {
+    let Some(shape) = path.strip_prefix(EMBEDDED_PREFIX) else {
+        return Ok(None);
+    };
+    if path == EMBEDDED_TINY {
+        return Ok(Some(embedded_model_config(tokenizer)));
+    }
+    let mut config = ModelConfig::preset(shape).map_err(|_| {
+        crate::error::Error::Data(format!(
+            "model.path = {path:?} names no embedded model; use {EMBEDDED_TINY:?} or \
+             \"embedded:<shape>\" with a shape of 0.6B, 1.7B, 4B or 8B"
+        ))
+    })?;
+    config.vocab_size = tokenizer.vocab_size();
+    config.max_position_embeddings = EMBEDDED_CONTEXT;
+    config.bos_token_id = None;
+    config.eos_token_ids = tokenizer.eos_token_ids.clone();
+    Ok(Some(config))
+}
+
 /// Folder of a run directory holding the embedded model's tokenizer.
 pub const TOKENIZER_DIR: &str = "tokenizer";
 

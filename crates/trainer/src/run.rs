@@ -29,7 +29,7 @@ use crate::checkpoint::{
 };
 use crate::config::{Config, Logger, Scheduler};
 use crate::data::{load_split, next_batch, prepare_prompts, Prompt, Split};
-use crate::embedded::{embedded_model_config, embedded_tokenizer, EMBEDDED_TINY, TOKENIZER_DIR};
+use crate::embedded::{embedded_model, embedded_tokenizer, is_embedded, TOKENIZER_DIR};
 use crate::engine::{Engine, Loss, SequenceGroup, TrainGroup, TrainResponse, Weights};
 use crate::error::{Error, Result};
 use crate::eval::{evaluate, write_records, EvalSpec, EVALS_DIR};
@@ -83,7 +83,7 @@ pub fn model_setup(
     fresh: bool,
 ) -> Result<ModelSetup> {
     let path = &config.model.path;
-    let (tokenizer, source) = if path == EMBEDDED_TINY {
+    let (tokenizer, source) = if is_embedded(path) {
         let tokenizer_dir = run_dir.join(TOKENIZER_DIR);
         if fresh && tokenizer_dir.exists() {
             std::fs::remove_dir_all(&tokenizer_dir).map_err(|source| Error::Io {
@@ -92,18 +92,13 @@ pub fn model_setup(
             })?;
         }
         let tokenizer = embedded_tokenizer(run_dir, train_rows)?;
-        let model = embedded_model_config(&tokenizer);
+        let model = embedded_model(path, &tokenizer)?.expect("an embedded path");
         config.validate_context_length(model.max_position_embeddings)?;
         let source = ModelSource::Random {
             config: model,
             seed: config.trainer.seed,
         };
         (tokenizer, source)
-    } else if path.starts_with("embedded:") {
-        return Err(Error::Data(format!(
-            "model.path = {path:?} is not an embedded model; use {EMBEDDED_TINY:?} or a \
-             Hugging Face folder"
-        )));
     } else {
         (
             Tokenizer::from_dir(path)?,
@@ -332,7 +327,7 @@ pub fn run_loop<E: Engine>(
         log_metrics(&mut sink, &mut state, 0, &data_metrics)?;
         if config.sft.enabled {
             let examples = sft_examples(&train_prompts, &tokenizer)?;
-            for epoch_metrics in run_sft(engine, config, &examples)? {
+            run_sft(engine, config, &examples, &mut |epoch_metrics| {
                 if console {
                     println!(
                         "sft epoch {:>2}  loss {:.4}  ({:.1}s)",
@@ -341,8 +336,8 @@ pub fn run_loop<E: Engine>(
                         epoch_metrics["timing/sft"]
                     );
                 }
-                log_metrics(&mut sink, &mut state, 0, &epoch_metrics)?;
-            }
+                log_metrics(&mut sink, &mut state, 0, &epoch_metrics)
+            })?;
         }
         if needs_reference {
             engine
@@ -887,7 +882,7 @@ pub fn eval_checkpoint(request: &EvalRequest) -> Result<EvalReport> {
         &[],
     )?;
     let state = load_trainer_state(&checkpoint)?;
-    let tokenizer = if config.model.path == EMBEDDED_TINY {
+    let tokenizer = if is_embedded(&config.model.path) {
         Tokenizer::from_dir(run_dir.join(TOKENIZER_DIR))?
     } else {
         Tokenizer::from_dir(&config.model.path)?

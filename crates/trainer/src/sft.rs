@@ -8,9 +8,10 @@ use std::time::Instant;
 use floe_engine::policy::OptimParams;
 use floe_env::dataset::DataCursor;
 use floe_model::tokenizer::Tokenizer;
+use floe_rl::optim::{lr_at, LrScheduleKind};
 use indicatif::{ProgressBar, ProgressStyle};
 
-use crate::config::Config;
+use crate::config::{Config, Scheduler};
 use crate::data::Prompt;
 use crate::embedded::reference_answer;
 use crate::engine::{Engine, Loss, TrainGroup, TrainResponse};
@@ -45,14 +46,16 @@ pub fn sft_examples(prompts: &[Prompt], tokenizer: &Tokenizer) -> Result<Vec<Sft
         .collect()
 }
 
-/// Runs `sft.epochs` passes of `sft.batch_size` examples per optimiser step at the constant
-/// `sft.lr`. Returns one metrics map per epoch (`sft/loss`, `sft/grad_norm`, `sft/epoch`,
-/// `sft/num_tokens`, `timing/sft`).
+/// Runs `sft.epochs` passes of `sft.batch_size` examples per optimiser step, the learning
+/// rate following `sft.scheduler` after `sft.num_warmup_steps` of warmup. Hands each
+/// epoch's metrics (`sft/loss`, `sft/grad_norm`, `sft/epoch`, `sft/num_tokens`,
+/// `timing/sft`) to `on_epoch` as the epoch ends.
 pub fn run_sft<E: Engine>(
     engine: &mut E,
     config: &Config,
     examples: &[SftExample],
-) -> Result<Vec<BTreeMap<String, f64>>> {
+    on_epoch: &mut dyn FnMut(BTreeMap<String, f64>) -> Result<()>,
+) -> Result<()> {
     if examples.is_empty() {
         return Err(Error::Data(
             "sft.enabled is true but no training row has extra_info.reference_answer; \
@@ -62,7 +65,7 @@ pub fn run_sft<E: Engine>(
     }
     let sft = &config.sft;
     let opt = &config.trainer.policy.optimizer_config;
-    let params = OptimParams {
+    let mut params = OptimParams {
         lr: sft.lr as f32,
         beta1: opt.betas[0] as f32,
         beta2: opt.betas[1] as f32,
@@ -71,37 +74,34 @@ pub fn run_sft<E: Engine>(
         max_grad_norm: opt.max_grad_norm as f32,
     };
     let batches_per_epoch = examples.len().div_ceil(sft.batch_size);
+    let total_steps = (sft.epochs * batches_per_epoch) as u64;
+    let schedule = match sft.scheduler {
+        Scheduler::Constant => LrScheduleKind::Constant,
+        Scheduler::Linear => LrScheduleKind::Linear,
+        Scheduler::Cosine => LrScheduleKind::Cosine,
+    };
+    let mut optimizer_steps = 0u64;
     let bar = ProgressBar::new((sft.epochs * batches_per_epoch) as u64).with_style(
         ProgressStyle::with_template("sft   {bar:30} {pos}/{len} {elapsed} {msg}")
             .expect("a valid progress template"),
     );
     let order_of = DataCursor::new(examples.len(), config.trainer.seed ^ SFT_SHUFFLE_STREAM);
-    let mut per_epoch = Vec::with_capacity(sft.epochs);
     for epoch in 0..sft.epochs {
         let start = Instant::now();
         let (mut loss_sum, mut norm_sum, mut tokens) = (0.0, 0.0, 0.0);
         for batch in order_of.epoch_order(epoch as u64).chunks(sft.batch_size) {
-            let groups: Vec<TrainGroup> = batch
-                .iter()
-                .map(|&i| {
-                    let example = &examples[i];
-                    let n = example.answer.len();
-                    TrainGroup {
-                        prompt: example.prompt.clone(),
-                        responses: vec![TrainResponse {
-                            tokens: example.answer.clone(),
-                            loss_mask: vec![1.0; n],
-                            advantages: Vec::new(),
-                            old_logprobs: Vec::new(),
-                            rollout_logprobs: None,
-                            ref_logprobs: None,
-                        }],
-                    }
-                })
-                .collect();
+            let groups = shared_prefix_groups(batch.iter().map(|&i| &examples[i]));
             let out = engine
                 .forward_backward(&groups, &Loss::CrossEntropy, 1.0)
                 .map_err(verb_error("forward_backward"))?;
+            params.lr = lr_at(
+                optimizer_steps,
+                schedule,
+                sft.lr,
+                sft.num_warmup_steps as u64,
+                total_steps,
+            ) as f32;
+            optimizer_steps += 1;
             let step = engine
                 .optim_step(&params)
                 .map_err(verb_error("optim_step"))?;
@@ -112,19 +112,89 @@ pub fn run_sft<E: Engine>(
             bar.set_message(format!("epoch {} loss {:.3}", epoch + 1, out.loss));
         }
         let batches = batches_per_epoch as f64;
-        per_epoch.push(BTreeMap::from([
-            ("sft/epoch".to_string(), (epoch + 1) as f64),
-            ("sft/loss".to_string(), loss_sum / batches),
-            ("sft/grad_norm".to_string(), norm_sum / batches),
-            ("sft/num_tokens".to_string(), tokens),
-            ("timing/sft".to_string(), start.elapsed().as_secs_f64()),
-        ]));
+        bar.suspend(|| {
+            on_epoch(BTreeMap::from([
+                ("sft/epoch".to_string(), (epoch + 1) as f64),
+                ("sft/loss".to_string(), loss_sum / batches),
+                ("sft/grad_norm".to_string(), norm_sum / batches),
+                ("sft/num_tokens".to_string(), tokens),
+                ("timing/sft".to_string(), start.elapsed().as_secs_f64()),
+            ]))
+        })?;
     }
     bar.finish_and_clear();
     engine
         .sync_sampler_weights()
         .map_err(verb_error("sync_sampler_weights"))?;
-    Ok(per_epoch)
+    Ok(())
+}
+
+/// Shortest common prompt prefix worth sharing: below it, examples train on their own.
+const MIN_SHARED_PREFIX: usize = 16;
+
+/// Packs a batch's examples into groups that compute their common prompt prefix once.
+///
+/// Examples whose prompts start alike (the same system prompt and database schema) form one
+/// group: its prompt is their longest common token prefix, and each response is the rest of
+/// its own prompt (loss mask 0) followed by the answer (loss mask 1). Attention over a
+/// group's prefix is exactly attention over the example's full prompt, so the loss and its
+/// gradient are those of the examples alone, on fewer tokens: the schema that dominates a
+/// text-to-SQL prompt is computed once per group instead of once per example.
+pub fn shared_prefix_groups<'a>(examples: impl Iterator<Item = &'a SftExample>) -> Vec<TrainGroup> {
+    let mut sorted: Vec<&SftExample> = examples.collect();
+    sorted.sort_by(|a, b| a.prompt.cmp(&b.prompt));
+    let mut groups = Vec::new();
+    let mut start = 0;
+    while start < sorted.len() {
+        // Extend the run while the common prefix stays long enough to be worth sharing; the
+        // prefix is cut one token short of the shortest prompt so every response starts
+        // with at least one prompt token it owns.
+        let mut shared = sorted[start].prompt.len() - 1;
+        let mut end = start + 1;
+        while end < sorted.len() {
+            let common = common_prefix(&sorted[start].prompt, &sorted[end].prompt)
+                .min(sorted[end].prompt.len() - 1);
+            if common.min(shared) < MIN_SHARED_PREFIX {
+                break;
+            }
+            shared = shared.min(common);
+            end += 1;
+        }
+        let members = &sorted[start..end];
+        let shared = if members.len() == 1 {
+            members[0].prompt.len()
+        } else {
+            shared
+        };
+        groups.push(TrainGroup {
+            prompt: members[0].prompt[..shared].to_vec(),
+            responses: members
+                .iter()
+                .map(|example| {
+                    let own_prompt = &example.prompt[shared..];
+                    let mut tokens = own_prompt.to_vec();
+                    tokens.extend_from_slice(&example.answer);
+                    let mut loss_mask = vec![0.0; own_prompt.len()];
+                    loss_mask.resize(tokens.len(), 1.0);
+                    TrainResponse {
+                        tokens,
+                        loss_mask,
+                        advantages: Vec::new(),
+                        old_logprobs: Vec::new(),
+                        rollout_logprobs: None,
+                        ref_logprobs: None,
+                    }
+                })
+                .collect(),
+        });
+        start = end;
+    }
+    groups
+}
+
+/// Length of the longest common prefix of `a` and `b`.
+fn common_prefix(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
 
 /// Wraps an engine error with the verb that failed.

@@ -13,6 +13,7 @@ use floe_trainer::engine::{
     Engine, Loss, SequenceGroup, TokenOutputs, TrainGroup, TrainResponse, Weights,
 };
 use floe_trainer::local::{AnyLocalEngine, LocalEngineOptions, ModelSource};
+use floe_trainer::sft::{shared_prefix_groups, SftExample};
 
 fn tiny_config() -> ModelConfig {
     ModelConfig {
@@ -199,7 +200,9 @@ fn micro_batch_split_does_not_change_the_step() {
     let train = train_groups(&groups, &scored);
     let a = whole.forward_backward(&train, &policy_loss(), 1.0).unwrap();
     let b = split.forward_backward(&train, &policy_loss(), 1.0).unwrap();
-    assert!((a.loss - b.loss).abs() <= 1e-12, "{} vs {}", a.loss, b.loss);
+    // The split engine's log-probs round differently (the check above), so its ratios
+    // differ from 1 by about 1e-7; whether they do depends on the CPU's SIMD width.
+    assert!((a.loss - b.loss).abs() <= 1e-6, "{} vs {}", a.loss, b.loss);
     let step_a = whole.optim_step(&OPTIM).unwrap();
     let step_b = split.optim_step(&OPTIM).unwrap();
     assert!(step_a.grad_norm > 0.0);
@@ -353,4 +356,57 @@ fn an_unavailable_cuda_device_is_a_clear_error() {
     if let Err(err) = AnyLocalEngine::open(source, None, options) {
         assert!(err.to_string().starts_with("device `cuda:0`: "), "{err}");
     }
+}
+
+#[test]
+fn sft_groups_sharing_a_prompt_prefix_train_like_single_examples() {
+    // Five examples over two "schemas": prompts share a long prefix within a schema.
+    let examples: Vec<SftExample> = (0..5u64)
+        .map(|i| {
+            let mut prompt = tokens(500 + i % 2, 20);
+            prompt.extend(tokens(600 + i, 3 + i as usize));
+            SftExample {
+                prompt,
+                answer: tokens(700 + i, 2 + i as usize),
+            }
+        })
+        .collect();
+    let shared = shared_prefix_groups(examples.iter());
+    assert_eq!(shared.len(), 2, "one group per schema");
+    let alone: Vec<TrainGroup> = examples
+        .iter()
+        .map(|e| TrainGroup {
+            prompt: e.prompt.clone(),
+            responses: vec![TrainResponse {
+                tokens: e.answer.clone(),
+                loss_mask: vec![1.0; e.answer.len()],
+                advantages: Vec::new(),
+                old_logprobs: Vec::new(),
+                rollout_logprobs: None,
+                ref_logprobs: None,
+            }],
+        })
+        .collect();
+    let mut a = engine(4096, 6);
+    let mut b = engine(4096, 6);
+    let out_a = a
+        .forward_backward(&alone, &Loss::CrossEntropy, 1.0)
+        .unwrap();
+    let out_b = b
+        .forward_backward(&shared, &Loss::CrossEntropy, 1.0)
+        .unwrap();
+    assert!(
+        (out_a.loss - out_b.loss).abs() <= 1e-5,
+        "{} vs {}",
+        out_a.loss,
+        out_b.loss
+    );
+    let (step_a, step_b) = (a.optim_step(&OPTIM).unwrap(), b.optim_step(&OPTIM).unwrap());
+    let rel = (step_a.grad_norm - step_b.grad_norm).abs() / step_a.grad_norm;
+    assert!(
+        rel <= 1e-4,
+        "grad norms {} vs {}",
+        step_a.grad_norm,
+        step_b.grad_norm
+    );
 }
