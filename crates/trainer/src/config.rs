@@ -439,8 +439,10 @@ pub struct EngineConfig {
     /// Fraction of device memory the engine may use (weights, optimiser, KV cache).
     #[serde(alias = "gpu_memory_utilization")]
     pub memory_fraction: f64,
-    /// URL of a floe server to drive instead of a local engine.
-    pub remote_url: Option<String>,
+    /// `http://host:port` of a `floe serve` whose engine runs the verbs instead of a
+    /// local one (`device` and `threads` are then the server's); the API key comes from
+    /// the `FLOE_API_KEY` environment variable.
+    pub remote: Option<String>,
 }
 
 impl Default for EngineConfig {
@@ -450,7 +452,7 @@ impl Default for EngineConfig {
             recompute: false,
             threads: 0,
             memory_fraction: 0.8,
-            remote_url: None,
+            remote: None,
         }
     }
 }

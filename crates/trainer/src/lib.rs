@@ -11,6 +11,8 @@ pub mod error;
 pub mod eval;
 pub mod local;
 pub mod metrics;
+pub mod native_api;
+pub mod remote;
 pub mod report;
 pub mod rollout;
 pub mod run;

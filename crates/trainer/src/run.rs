@@ -136,15 +136,11 @@ pub fn max_input_length(config: &Config) -> usize {
     )
 }
 
-/// Runs `floe train` for a validated config: the local engine on `engine.device`.
+/// Runs `floe train` for a validated config: the local engine on `engine.device`, or a
+/// `floe serve` engine at `engine.remote`.
 pub fn train(config: &Config) -> Result<RunOutcome> {
     let started = Instant::now();
     config.validate()?;
-    if let Some(url) = &config.engine.remote_url {
-        return Err(Error::Data(format!(
-            "engine.remote_url = {url:?}: floe train drives a local engine; unset it"
-        )));
-    }
     let run_dir = config.trainer.run_dir.clone();
     std::fs::create_dir_all(&run_dir).map_err(|source| Error::Io {
         path: run_dir.clone(),
@@ -154,7 +150,21 @@ pub fn train(config: &Config) -> Result<RunOutcome> {
     config.save_effective(&run_dir)?;
     let train_rows = load_split(config, &run_dir, Split::Train)?;
     let val_rows = load_split(config, &run_dir, Split::Val)?;
-    let setup = model_setup(config, &run_dir, &train_rows, resume_from.is_none())?;
+    let fresh = resume_from.is_none();
+    if let Some(url) = &config.engine.remote {
+        let (tokenizer, template, mut engine) =
+            crate::remote::connect_for_run(config, url, &run_dir, &train_rows, fresh)?;
+        let inputs = RunInputs {
+            tokenizer,
+            template,
+            train_rows,
+            val_rows,
+            resume_from,
+            started,
+        };
+        return run_loop(&mut engine, config, inputs);
+    }
+    let setup = model_setup(config, &run_dir, &train_rows, fresh)?;
     let mut engine = AnyLocalEngine::open(
         setup.source,
         Some(setup.tokenizer.clone()),
