@@ -16,11 +16,12 @@ pub mod catalog;
 pub mod convert;
 pub mod error;
 pub mod futures;
+pub mod native;
 pub mod proto;
-pub mod routes;
 pub mod rest;
-pub mod state;
+pub mod routes;
 pub mod runs;
+pub mod state;
 pub mod worker;
 
 use std::sync::Arc;
@@ -75,7 +76,6 @@ pub fn router(config: ServerConfig) -> Router {
         .route("/samplers/{sampler_id}", get(routes::get_sampler))
         .route("/asample", post(routes::asample))
         .route("/retrieve_future", post(routes::retrieve_future))
-        .route_layer(middleware::from_fn_with_state(
         .route("/retrieve_futures", post(rest::retrieve_futures))
         .route("/cancel_future", post(rest::cancel_future))
         .route("/weights_info", post(rest::weights_info))
@@ -90,15 +90,23 @@ pub fn router(config: ServerConfig) -> Router {
             delete(rest::delete_checkpoint),
         )
         .route("/checkpoints", get(rest::list_all_checkpoints))
+        .route_layer(middleware::from_fn_with_state(
             Arc::clone(&app),
             authenticate,
         ))
         // Health checks need no key.
         .route("/healthz", get(routes::healthz));
+    let native = native::router(Arc::clone(&app)).route_layer(middleware::from_fn_with_state(
+        Arc::clone(&app),
+        authenticate,
+    ));
     Router::new()
         .nest("/api/v1", api)
+        .nest(floe_trainer::native_api::NATIVE_PREFIX, native)
         .fallback(|| async {
-            ApiError::not_found("no such route; the Tinker API lives under /api/v1/")
+            ApiError::not_found(
+                "no such route; the Tinker API lives under /api/v1/, floe's native API under /floe/v1/",
+            )
         })
         .layer(DefaultBodyLimit::max(max_body))
         .with_state(app)
