@@ -164,7 +164,9 @@ impl Catalog {
                 BaseWeights::EmbeddedTiny => {
                     let out = dir.join(name);
                     let loaded = weights.load()?;
-                    let tokenizer = loaded.tokenizer.expect("the embedded model has a tokenizer");
+                    let tokenizer = loaded
+                        .tokenizer
+                        .expect("the embedded model has a tokenizer");
                     tokenizer
                         .save_dir(&out)
                         .map_err(|e| format!("writing the tokenizer of {name:?}: {e}"))?;

@@ -96,7 +96,12 @@ impl CancelTicket {
     /// Called by the job as it starts: false when it was cancelled and must not run.
     pub fn start(&self) -> bool {
         self.0
-            .compare_exchange(TICKET_QUEUED, TICKET_STARTED, Ordering::AcqRel, Ordering::Acquire)
+            .compare_exchange(
+                TICKET_QUEUED,
+                TICKET_STARTED,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            )
             .is_ok()
     }
 
@@ -183,7 +188,9 @@ impl Futures {
             Outcome::Failed { .. } => (true, 0),
         };
         let mut logs = self.logs();
-        let log = logs.entry(key.to_string()).or_insert_with(CompletionLog::new);
+        let log = logs
+            .entry(key.to_string())
+            .or_insert_with(CompletionLog::new);
         let cursor = *log.last_cursor.borrow() + 1;
         log.done.push_back(Completion {
             cursor,
@@ -197,14 +204,21 @@ impl Futures {
     /// The completions of log `key` after cursor `seen` (those up to it are dropped: the
     /// client has them), waiting up to `wait` for one when there is none yet; returns
     /// them with the cursor to send next.
-    pub async fn completions(&self, key: &str, seen: u64, wait: Duration) -> (Vec<Completion>, u64) {
+    pub async fn completions(
+        &self,
+        key: &str,
+        seen: u64,
+        wait: Duration,
+    ) -> (Vec<Completion>, u64) {
         let newer = |log: &mut CompletionLog| -> Vec<Completion> {
             log.done.retain(|c| c.cursor > seen);
             log.done.iter().cloned().collect()
         };
         let mut last_cursor = {
             let mut logs = self.logs();
-            let log = logs.entry(key.to_string()).or_insert_with(CompletionLog::new);
+            let log = logs
+                .entry(key.to_string())
+                .or_insert_with(CompletionLog::new);
             let done = newer(log);
             if !done.is_empty() {
                 let cursor = done.last().map_or(seen, |c| c.cursor);

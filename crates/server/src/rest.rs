@@ -58,7 +58,10 @@ pub async fn weights_info(State(app): State<AppRef>, body: Body) -> Result<Json<
     Ok(Json(info))
 }
 
-fn page(route: &str, query: Result<Query<api::Page>, QueryRejection>) -> Result<api::Page, ApiError> {
+fn page(
+    route: &str,
+    query: Result<Query<api::Page>, QueryRejection>,
+) -> Result<api::Page, ApiError> {
     query
         .map(|Query(page)| page)
         .map_err(|e| ApiError::bad_request(format!("{route}: {}", e.body_text())))
@@ -111,7 +114,9 @@ pub async fn list_run_checkpoints(
         .map(runs::CheckpointInfo::to_json)
         .collect();
     let (checkpoints, cursor) = paginate(checkpoints, &page, DEFAULT_CHECKPOINTS_PAGE);
-    Ok(Json(json!({ "checkpoints": checkpoints, "cursor": cursor })))
+    Ok(Json(
+        json!({ "checkpoints": checkpoints, "cursor": cursor }),
+    ))
 }
 
 /// `GET /checkpoints`: the checkpoints of every run, newest first.
@@ -126,9 +131,14 @@ pub async fn list_all_checkpoints(
         checkpoints.extend(runs::list_checkpoints(data_dir, &run.training_run_id)?);
     }
     checkpoints.sort_by(|a, b| b.time.cmp(&a.time));
-    let checkpoints = checkpoints.iter().map(runs::CheckpointInfo::to_json).collect();
+    let checkpoints = checkpoints
+        .iter()
+        .map(runs::CheckpointInfo::to_json)
+        .collect();
     let (checkpoints, cursor) = paginate(checkpoints, &page, DEFAULT_CHECKPOINTS_PAGE);
-    Ok(Json(json!({ "checkpoints": checkpoints, "cursor": cursor })))
+    Ok(Json(
+        json!({ "checkpoints": checkpoints, "cursor": cursor }),
+    ))
 }
 
 /// `DELETE /training_runs/{id}/checkpoints/{kind}/{name}` (the checkpoint id is
@@ -140,7 +150,9 @@ pub async fn delete_checkpoint(
     let path = TinkerPath::parse(&format!("tinker://{run_id}/{kind}/{name}"))?;
     runs::delete_checkpoint(&app.checkpoint_dir(&path), &path)?;
     tracing::info!(%path, "checkpoint deleted");
-    Ok(Json(json!({ "status": "deleted", "tinker_path": path.to_string() })))
+    Ok(Json(
+        json!({ "status": "deleted", "tinker_path": path.to_string() }),
+    ))
 }
 
 /// Sample `seq_id`s of the `n`-th clone of a sampling client start at `n` times this
@@ -167,7 +179,11 @@ pub async fn retrieve_futures(
             target.kind
         )));
     }
-    if !app.registry().samplers.contains_key(&target.sampling_session_id) {
+    if !app
+        .registry()
+        .samplers
+        .contains_key(&target.sampling_session_id)
+    {
         return Err(ApiError::not_found(format!(
             "retrieve_futures: unknown sampling_session_id {:?}",
             target.sampling_session_id
@@ -208,7 +224,9 @@ pub async fn retrieve_futures(
             }
         })
         .collect();
-    Ok(Json(json!({ "completions": completions, "cursor": cursor })))
+    Ok(Json(
+        json!({ "completions": completions, "cursor": cursor }),
+    ))
 }
 
 /// `POST /cancel_future`: a sample that has not started yet is dropped (its future
@@ -219,5 +237,7 @@ pub async fn cancel_future(State(app): State<AppRef>, body: Body) -> Result<Json
         ApiError::not_found(format!("unknown request_id {:?}", request.request_id))
     })?;
     let cancelled = app.futures.cancel(id);
-    Ok(Json(json!({ "request_id": request.request_id, "cancelled": cancelled })))
+    Ok(Json(
+        json!({ "request_id": request.request_id, "cancelled": cancelled }),
+    ))
 }

@@ -320,8 +320,8 @@ pub async fn create_model(State(app): State<AppRef>, body: Body) -> Result<Json<
         None,
         |model_id| json!({ "model_id": model_id, "type": "create_model" }),
     )?;
-    Ok(future_response(id, json!({ "model_id": model_id })))
     rest::record_run(&app, &model_id, request.user_metadata.as_ref())?;
+    Ok(future_response(id, json!({ "model_id": model_id })))
 }
 
 /// `POST /get_info`.
@@ -674,11 +674,11 @@ pub async fn load_weights(State(app): State<AppRef>, body: Body) -> Result<Json<
                 state_dir,
                 |model_id| json!({ "model_id": model_id, "path": path_text, "type": "load_weights" }),
             )?;
+            rest::record_run(&app, &model_id, request.user_metadata.as_ref())?;
             Ok(future_response(id, json!({ "model_id": model_id })))
         }
         (_, _, Some(model_id), Some(seq_id)) => {
             let model = app.model(model_id)?;
-            rest::record_run(&app, &model_id, request.user_metadata.as_ref())?;
             let job: Job = Box::new(move |engine| match engine.load_state(&dir) {
                 Ok(()) => Outcome::Json(json!({ "path": path.to_string(), "type": "load_weights" })),
                 Err(e) => Outcome::server_error(format!("load_weights {path}: {e}")),
@@ -806,6 +806,9 @@ pub async fn asample(State(app): State<AppRef>, body: Body) -> Result<Json<Value
     let ticket = CancelTicket::default();
     let job = sample_job(sample, request.prompt_logprobs, ticket.clone());
     let id = app.submit_unordered(&sampler.worker, job)?;
+    app.futures.set_cancel_ticket(id, ticket);
+    app.futures
+        .track(id, rest::completion_log_key(sampler_id, request.seq_id));
     let ids: Vec<String> = (0..request.num_samples)
         .map(|i| format!("{sampler_id}:{}:{i}", request.seq_id))
         .collect();
@@ -813,9 +816,6 @@ pub async fn asample(State(app): State<AppRef>, body: Body) -> Result<Json<Value
 }
 
 fn prompt_tokens(prompt: &api::ModelInput, vocab_size: usize) -> Result<Vec<u32>, ApiError> {
-    app.futures.set_cancel_ticket(id, ticket);
-    app.futures
-        .track(id, rest::completion_log_key(sampler_id, request.seq_id));
     let mut tokens = Vec::new();
     for chunk in &prompt.chunks {
         if chunk.kind != "encoded_text" {
@@ -879,6 +879,9 @@ fn sampling_params(
 
 fn sample_job(sample: SampleRequest, with_prompt_logprobs: bool, ticket: CancelTicket) -> Job {
     Box::new(move |engine| {
+        if !ticket.start() {
+            return Outcome::user_error("sample: cancelled by the client before it started");
+        }
         let prompt_logprobs = if with_prompt_logprobs {
             let group = floe_trainer::engine::SequenceGroup {
                 prompt: vec![sample.prompt[0]],
@@ -886,9 +889,6 @@ fn sample_job(sample: SampleRequest, with_prompt_logprobs: bool, ticket: CancelT
             };
             if sample.prompt.len() == 1 {
                 Some(vec![f64::NAN])
-        if !ticket.start() {
-            return Outcome::user_error("sample: cancelled by the client before it started");
-        }
             } else {
                 match engine.forward(&[group], Weights::Policy, 1.0) {
                     Ok(mut outputs) => {
@@ -913,6 +913,11 @@ fn sample_job(sample: SampleRequest, with_prompt_logprobs: bool, ticket: CancelT
     })
 }
 
+/// The `complete_metadata` answer of a finished future whose payload has `size` bytes.
+fn metadata_only(size: usize) -> Response {
+    Json(json!({ "status": "complete_metadata", "response_payload_size": size })).into_response()
+}
+
 /// `POST /retrieve_future`: the result once ready, held up to the long-poll time, then
 /// `try_again`; 410 for a future that expired.
 pub async fn retrieve_future(State(app): State<AppRef>, body: Body) -> Result<Response, ApiError> {
@@ -920,13 +925,13 @@ pub async fn retrieve_future(State(app): State<AppRef>, body: Body) -> Result<Re
     let id = parse_request_id(&request.request_id).ok_or_else(|| {
         ApiError::not_found(format!("unknown request_id {:?}", request.request_id))
     })?;
-/// The `complete_metadata` answer of a finished future whose payload has `size` bytes.
-fn metadata_only(size: usize) -> Response {
-    Json(json!({ "status": "complete_metadata", "response_payload_size": size })).into_response()
-}
-
     Ok(match app.futures.poll(id, app.config.long_poll).await {
         Poll::Ready(outcome) => match &*outcome {
+            // The SDK reserves memory for the payload, then polls again for it.
+            Outcome::Json(value) if request.allow_metadata_only => {
+                metadata_only(value.to_string().len())
+            }
+            Outcome::Proto(bytes) if request.allow_metadata_only => metadata_only(bytes.len()),
             Outcome::Json(value) => Json(value.clone()).into_response(),
             Outcome::Proto(bytes) => (
                 [(header::CONTENT_TYPE, "application/x-protobuf")],
@@ -934,11 +939,6 @@ fn metadata_only(size: usize) -> Response {
             )
                 .into_response(),
             Outcome::Failed { error, category } => {
-            // The SDK reserves memory for the payload, then polls again for it.
-            Outcome::Json(value) if request.allow_metadata_only => {
-                metadata_only(value.to_string().len())
-            }
-            Outcome::Proto(bytes) if request.allow_metadata_only => metadata_only(bytes.len()),
                 Json(json!({ "error": error, "category": category })).into_response()
             }
         },

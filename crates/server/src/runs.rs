@@ -52,10 +52,8 @@ pub struct CheckpointInfo {
 
 /// The folder of run `run_id`, checking the id is one folder name.
 pub fn run_dir(data_dir: &Path, run_id: &str) -> Result<PathBuf, ApiError> {
-    let bad = run_id.is_empty()
-        || run_id == "."
-        || run_id == ".."
-        || run_id.contains(['/', '\\', '\0']);
+    let bad =
+        run_id.is_empty() || run_id == "." || run_id == ".." || run_id.contains(['/', '\\', '\0']);
     if bad {
         return Err(ApiError::bad_request(format!(
             "training run id {run_id:?} must be one non-empty folder name"
@@ -182,7 +180,10 @@ pub fn list_runs(data_dir: &Path) -> Vec<RunRecord> {
             Some((run.created(data_dir), run))
         })
         .collect();
-    runs.sort_by(|a, b| b.0.cmp(&a.0).then_with(|| a.1.training_run_id.cmp(&b.1.training_run_id)));
+    runs.sort_by(|a, b| {
+        b.0.cmp(&a.0)
+            .then_with(|| a.1.training_run_id.cmp(&b.1.training_run_id))
+    });
     runs.into_iter().map(|(_, run)| run).collect()
 }
 
@@ -211,7 +212,11 @@ pub fn list_checkpoints(data_dir: &Path, run_id: &str) -> Result<Vec<CheckpointI
             });
         }
     }
-    checkpoints.sort_by(|a, b| b.time.cmp(&a.time).then_with(|| a.path.name.cmp(&b.path.name)));
+    checkpoints.sort_by(|a, b| {
+        b.time
+            .cmp(&a.time)
+            .then_with(|| a.path.name.cmp(&b.path.name))
+    });
     Ok(checkpoints)
 }
 

@@ -240,6 +240,15 @@ impl AppState {
 }
 
 impl TrainingModel {
+    /// Fails every request held for a missing earlier `seq_id` with `reason` (the model
+    /// is being dropped, so they would never run).
+    pub fn fail_held(&self, futures: &Futures, reason: &str) {
+        let mut order = self.order.lock().unwrap_or_else(|e| e.into_inner());
+        for (_, (id, _)) in std::mem::take(&mut order.held) {
+            futures.complete(id, Outcome::user_error(reason));
+        }
+    }
+
     /// A model whose request `0` (its creation, future `created`) is done.
     pub fn new(
         id: String,
@@ -253,15 +262,6 @@ impl TrainingModel {
         let order = SeqOrder {
             next: 1,
             held: BTreeMap::new(),
-    /// Fails every request held for a missing earlier `seq_id` with `reason` (the model
-    /// is being dropped, so they would never run).
-    pub fn fail_held(&self, futures: &Futures, reason: &str) {
-        let mut order = self.order.lock().unwrap_or_else(|e| e.into_inner());
-        for (_, (id, _)) in std::mem::take(&mut order.held) {
-            futures.complete(id, Outcome::user_error(reason));
-        }
-    }
-
             issued: HashMap::from([(0, created)]),
         };
         Self {

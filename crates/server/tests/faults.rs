@@ -69,7 +69,8 @@ fn a_client_killed_mid_request_leaves_the_server_serving() {
         "POST /api/v1/forward_backward HTTP/1.1\r\nHost: x\r\nX-API-Key: {KEY}\r\nContent-Length: 100000\r\n\r\n"
     )
     .unwrap();
-    cut.write_all(&fwdbwd_body(&model_id, 1, false)[..10]).unwrap();
+    cut.write_all(&fwdbwd_body(&model_id, 1, false)[..10])
+        .unwrap();
     drop(cut);
 
     // A long poll abandoned while its sample is still running.
@@ -140,7 +141,11 @@ fn a_restarted_server_loses_sessions_but_loads_saved_checkpoints() {
     let second = Stoppable::start(config(dir.path()));
     let addr = second.addr;
     // Sessions and models lived in memory: gone.
-    let heartbeat = post_json(addr, "session_heartbeat", &json!({"session_id": session_id}));
+    let heartbeat = post_json(
+        addr,
+        "session_heartbeat",
+        &json!({"session_id": session_id}),
+    );
     assert_eq!(heartbeat.status, 410, "{}", detail(&heartbeat));
     let info = post_json(addr, "get_info", &json!({"model_id": model_id}));
     assert_eq!(info.status, 404, "{}", detail(&info));
@@ -178,7 +183,10 @@ fn a_restarted_server_loses_sessions_but_loads_saved_checkpoints() {
         .zip(expected.iter().flatten())
         .map(|(a, b)| (a - b).abs())
         .fold(0f32, f32::max);
-    assert!(max_diff < 1e-6, "restored weights score {max_diff} away: {restored:?} vs {expected:?}");
+    assert!(
+        max_diff < 1e-6,
+        "restored weights score {max_diff} away: {restored:?} vs {expected:?}"
+    );
     second.stop();
 }
 
@@ -233,7 +241,10 @@ fn the_sdk_retries_429_until_a_hundred_concurrent_samples_are_answered() {
     let mut config = config(dir.path());
     config.max_queued_per_engine = 8;
     let addr = start(config);
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/tinker_sdk_concurrency.py");
+    let script = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/tinker_sdk_concurrency.py"
+    );
     let out = Command::new("python3")
         .arg(script)
         .env("TINKER_BASE_URL", format!("http://{addr}"))
@@ -325,13 +336,18 @@ fn oversize_and_garbage_bodies_get_4xx_with_a_message() {
             );
         }
     }
-    for body in [&b"\xff\xff\xff\xff"[..], b"\x0a\x05abc", b"not a protobuf at all"] {
+    for body in [
+        &b"\xff\xff\xff\xff"[..],
+        b"\x0a\x05abc",
+        b"not a protobuf at all",
+    ] {
         let reply = post_proto(addr, "forward_backward", body);
         assert_eq!(reply.status, 400, "{reply:?}");
         assert!(detail(&reply).contains("forward_backward"), "{reply:?}");
     }
     // A protobuf that decodes but names tokens outside the vocabulary fails in its turn.
-    let mut request_proto = proto::ForwardBackwardRequest::decode(&fwdbwd_body(&model_id, 1, true)[..]).unwrap();
+    let mut request_proto =
+        proto::ForwardBackwardRequest::decode(&fwdbwd_body(&model_id, 1, true)[..]).unwrap();
     request_proto.data[0].model_input[0] = proto::Chunk {
         chunk: Some(proto::chunk::Chunk::EncodedText(proto::EncodedTextChunk {
             tokens: tokens_bytes(&[1 << 30, 2, 3, 4]),
@@ -339,14 +355,24 @@ fn oversize_and_garbage_bodies_get_4xx_with_a_message() {
     };
     let failed = retrieve(
         addr,
-        &request_id(&post_proto(addr, "forward_backward", &request_proto.encode_to_vec())),
+        &request_id(&post_proto(
+            addr,
+            "forward_backward",
+            &request_proto.encode_to_vec(),
+        )),
     );
     assert_eq!(failed.json()["category"], "user", "{:?}", failed.json());
 
     // Over --max-body-mib (1 MiB in tests), plain and as a zstd bomb.
     let big = vec![b'x'; 2 << 20];
     for route in ["asample", "create_session"] {
-        let reply = request(addr, "POST", &format!("/api/v1/{route}"), &[("X-API-Key", KEY)], &big);
+        let reply = request(
+            addr,
+            "POST",
+            &format!("/api/v1/{route}"),
+            &[("X-API-Key", KEY)],
+            &big,
+        );
         assert_eq!(reply.status, 413, "{route}");
         assert!(!detail(&reply).is_empty());
     }

@@ -279,7 +279,8 @@ fn invalid_requests_fail_in_turn_and_a_full_queue_answers_429() {
     let (_, model_id) = create_model(addr);
     // A datum whose targets are not the input shifted by one fails inside its future and
     // still takes its seq_id, so the next request runs.
-    let mut bad = proto::ForwardBackwardRequest::decode(&fwdbwd_body(&model_id, 1, false)[..]).unwrap();
+    let mut bad =
+        proto::ForwardBackwardRequest::decode(&fwdbwd_body(&model_id, 1, false)[..]).unwrap();
     bad.data[0].loss_fn_inputs.insert(
         "target_tokens".into(),
         tensor(

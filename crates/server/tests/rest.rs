@@ -4,13 +4,21 @@
 mod common;
 
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::*;
 use serde_json::{json, Value};
 
 fn get(addr: SocketAddr, route: &str) -> Reply {
-    request(addr, "GET", &format!("/api/v1/{route}"), &[("X-API-Key", KEY)], b"")
+    request(
+        addr,
+        "GET",
+        &format!("/api/v1/{route}"),
+        &[("X-API-Key", KEY)],
+        b"",
+    )
 }
 
 fn save(addr: SocketAddr, route: &str, model_id: &str, seq_id: i64, name: &str) -> String {
@@ -58,7 +66,10 @@ fn training_runs_and_checkpoints_are_listed_described_and_deleted() {
     std::thread::sleep(Duration::from_millis(1100)); // distinct modification times
     let sampler = save(addr, "save_weights_for_sampler", &model_id, 2, "second");
     assert_eq!(weights, format!("tinker://{model_id}/weights/first"));
-    assert_eq!(sampler, format!("tinker://{model_id}/sampler_weights/second"));
+    assert_eq!(
+        sampler,
+        format!("tinker://{model_id}/sampler_weights/second")
+    );
 
     let run = get(addr, &format!("training_runs/{model_id}")).json();
     assert_eq!(run["training_run_id"], model_id.as_str());
@@ -67,23 +78,38 @@ fn training_runs_and_checkpoints_are_listed_described_and_deleted() {
     assert_eq!(run["user_metadata"]["step"], "3");
     assert_eq!(run["last_checkpoint"]["tinker_path"], weights.as_str());
     assert_eq!(run["last_checkpoint"]["checkpoint_type"], "training");
-    assert_eq!(run["last_sampler_checkpoint"]["tinker_path"], sampler.as_str());
+    assert_eq!(
+        run["last_sampler_checkpoint"]["tinker_path"],
+        sampler.as_str()
+    );
     let stamp = run["last_request_time"].as_str().unwrap();
     assert!(stamp.len() == 20 && stamp.ends_with('Z'), "{stamp}");
 
     let runs = get(addr, "training_runs").json();
-    assert_eq!(runs["training_runs"][0]["training_run_id"], model_id.as_str());
+    assert_eq!(
+        runs["training_runs"][0]["training_run_id"],
+        model_id.as_str()
+    );
     assert_eq!(runs["cursor"]["total_count"], 1);
 
     let listing = get(addr, &format!("training_runs/{model_id}/checkpoints")).json();
-    assert_eq!(checkpoint_ids(&listing), ["sampler_weights/second", "weights/first"]);
+    assert_eq!(
+        checkpoint_ids(&listing),
+        ["sampler_weights/second", "weights/first"]
+    );
     assert!(listing["checkpoints"][0]["size_bytes"].as_u64().unwrap() > 0);
     let page = get(addr, "checkpoints?limit=1&offset=1").json();
     assert_eq!(checkpoint_ids(&page), ["weights/first"]);
-    assert_eq!(page["cursor"], json!({"offset": 1, "limit": 1, "total_count": 2}));
+    assert_eq!(
+        page["cursor"],
+        json!({"offset": 1, "limit": 1, "total_count": 2})
+    );
     let bad_page = get(addr, "checkpoints?limit=many");
     assert_eq!(bad_page.status, 400);
-    assert!(bad_page.json()["detail"].as_str().unwrap().contains("checkpoints"));
+    assert!(bad_page.json()["detail"]
+        .as_str()
+        .unwrap()
+        .contains("checkpoints"));
 
     let info = post_json(addr, "weights_info", &json!({"tinker_path": weights}));
     assert_eq!(info.status, 200);
@@ -98,7 +124,12 @@ fn training_runs_and_checkpoints_are_listed_described_and_deleted() {
 
     let route = format!("/api/v1/training_runs/{model_id}/checkpoints/weights/first");
     let deleted = request(addr, "DELETE", &route, &[("X-API-Key", KEY)], b"");
-    assert_eq!(deleted.status, 200, "{}", String::from_utf8_lossy(&deleted.body));
+    assert_eq!(
+        deleted.status,
+        200,
+        "{}",
+        String::from_utf8_lossy(&deleted.body)
+    );
     let again = request(addr, "DELETE", &route, &[("X-API-Key", KEY)], b"");
     assert_eq!(again.status, 404);
     let listing = get(addr, &format!("training_runs/{model_id}/checkpoints")).json();
@@ -159,7 +190,10 @@ fn a_queued_sample_can_be_cancelled_and_a_finished_one_cannot() {
     assert_eq!(cancel.json()["cancelled"], true, "{:?}", cancel.json());
     let failed = retrieve(addr, &queued).json();
     assert_eq!(failed["category"], "user");
-    assert!(failed["error"].as_str().unwrap().contains("cancelled"), "{failed}");
+    assert!(
+        failed["error"].as_str().unwrap().contains("cancelled"),
+        "{failed}"
+    );
     assert_eq!(retrieve(addr, &running).status, 200);
     let late = post_json(addr, "cancel_future", &json!({"request_id": running}));
     assert_eq!(late.json()["cancelled"], false);
@@ -200,27 +234,74 @@ fn a_metadata_poll_answers_the_payload_size_first() {
 fn sessions_without_heartbeats_expire_with_their_models() {
     let dir = tempfile::tempdir().unwrap();
     let mut config = config(dir.path());
-    config.session_expiry = Duration::from_millis(600);
+    config.session_expiry = Duration::from_millis(800);
     let addr = start(config);
-    let (idle_session, idle_model) = create_model(addr);
-    let (live_session, live_model) = create_model(addr);
-    // A crashed client: seq_id 1 never arrives, so seq_id 2 waits behind it.
+    // A client thread heartbeats every listed session, as the SDK does every 10 s.
+    let beating = Arc::new(Mutex::new(Vec::<String>::new()));
+    let done = Arc::new(AtomicBool::new(false));
+    let heart = {
+        let (beating, done) = (Arc::clone(&beating), Arc::clone(&done));
+        std::thread::spawn(move || {
+            while !done.load(Ordering::Relaxed) {
+                for session_id in beating.lock().unwrap().clone() {
+                    let beat = post_json(
+                        addr,
+                        "session_heartbeat",
+                        &json!({"session_id": session_id}),
+                    );
+                    assert_eq!(beat.status, 200, "{session_id} expired while beating");
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        })
+    };
+    let session = |beating: &Mutex<Vec<String>>| {
+        let reply = post_json(addr, "create_session", &json!({"tags": []}));
+        let session_id = reply.json()["session_id"].as_str().unwrap().to_string();
+        beating.lock().unwrap().push(session_id.clone());
+        let created = post_json(
+            addr,
+            "create_model",
+            &json!({"session_id": session_id, "model_seq_id": 0, "base_model": BASE_MODEL}),
+        );
+        let model = retrieve(addr, &request_id(&created)).json()["model_id"]
+            .as_str()
+            .unwrap()
+            .to_string();
+        (session_id, model)
+    };
+    let (idle_session, idle_model) = session(&beating);
+    let (_, live_model) = session(&beating);
+    // A crashed client: seq_id 1 never arrives, so seq_id 2 waits behind it, and the
+    // heartbeats stop.
     let stuck = request_id(&post_json(addr, "optim_step", &optim_body(&idle_model, 2)));
-    for _ in 0..8 {
-        std::thread::sleep(Duration::from_millis(200));
-        let beat = post_json(addr, "session_heartbeat", &json!({"session_id": live_session}));
-        assert_eq!(beat.status, 200);
+    beating.lock().unwrap().retain(|s| *s != idle_session);
+    let mut waited = Duration::ZERO;
+    while post_json(addr, "get_info", &json!({"model_id": idle_model})).status == 200 {
+        assert!(
+            waited < Duration::from_secs(20),
+            "the idle session never expired"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+        waited += Duration::from_millis(100);
     }
-    let gone = post_json(addr, "session_heartbeat", &json!({"session_id": idle_session}));
+    let gone = post_json(
+        addr,
+        "session_heartbeat",
+        &json!({"session_id": idle_session}),
+    );
     assert_eq!(gone.status, 410);
-    let info = post_json(addr, "get_info", &json!({"model_id": idle_model}));
-    assert_eq!(info.status, 404);
     // The request it held for the missing seq_id fails instead of waiting forever.
     let failed = retrieve(addr, &stuck).json();
     assert_eq!(failed["category"], "user");
-    assert!(failed["error"].as_str().unwrap().contains("expired"), "{failed}");
+    assert!(
+        failed["error"].as_str().unwrap().contains("expired"),
+        "{failed}"
+    );
     let info = post_json(addr, "get_info", &json!({"model_id": live_model}));
-    assert_eq!(info.status, 200);
+    assert_eq!(info.status, 200, "a session with heartbeats was dropped");
+    done.store(true, Ordering::Relaxed);
+    heart.join().unwrap();
 }
 
 #[test]
@@ -275,10 +356,15 @@ fn retrieve_futures_long_polls_a_sampling_clients_completions() {
     for completion in &seen {
         assert_eq!(completion["state"], "finished");
         let id = completion["request_id"].as_str().unwrap();
-        assert!(ours.contains(&id.to_string()), "{id} is not one of {ours:?}");
+        assert!(
+            ours.contains(&id.to_string()),
+            "{id} is not one of {ours:?}"
+        );
         let payload = retrieve(addr, id);
         assert_eq!(
-            completion["response_payload_uncompressed_size"].as_u64().unwrap() as usize,
+            completion["response_payload_uncompressed_size"]
+                .as_u64()
+                .unwrap() as usize,
             payload.body.len()
         );
     }
