@@ -158,7 +158,7 @@ pub enum ConfigError {
         msg: String,
     },
     /// `ModelConfig::preset` got a name it does not know.
-    #[error("unknown model preset `{0}`; known: tiny, 0.6B, 1.7B, 4B, 8B")]
+    #[error("unknown model preset `{0}`; known: embedded, tiny, 0.6B, 1.7B, 4B, 8B")]
     UnknownPreset(String),
 }
 
@@ -543,9 +543,13 @@ impl ModelConfig {
     /// A Qwen3 shape by name: `tiny`, `0.6B`, `1.7B`, `4B` or `8B` (the public Qwen3
     /// configs; `tiny` is floe's own 4-layer test size). Vocabulary 151936, head size 128
     /// (64 for `tiny`), RoPE base 1e6, RMSNorm eps 1e-6; the embeddings are tied up to 4B.
+    /// `embedded` is the shape of `floe train`'s embedded model (vocabulary 1024, head size
+    /// 32, RoPE base 1e4, eos id 2), for benchmarking it.
     pub fn preset(name: &str) -> Result<Self> {
+        let embedded = name == "embedded";
         // (hidden, intermediate, layers, heads, kv_heads)
         let (hidden, inter, layers, heads, kv) = match name {
+            "embedded" => (128, 384, 4, 4, 2),
             "tiny" => (256, 768, 4, 4, 2),
             "0.6B" => (1024, 3072, 28, 16, 8),
             "1.7B" => (2048, 6144, 28, 16, 8),
@@ -555,22 +559,26 @@ impl ModelConfig {
         };
         Ok(ModelConfig {
             architecture: Architecture::Qwen3,
-            vocab_size: 151936,
+            vocab_size: if embedded { 1024 } else { 151936 },
             hidden_size: hidden,
             intermediate_size: inter,
             num_hidden_layers: layers,
             num_attention_heads: heads,
             num_key_value_heads: kv,
-            head_dim: if name == "tiny" { 64 } else { 128 },
+            head_dim: match name {
+                "embedded" => 32,
+                "tiny" => 64,
+                _ => 128,
+            },
             rms_norm_eps: 1e-6,
-            rope_theta: 1e6,
+            rope_theta: if embedded { 1e4 } else { 1e6 },
             rope_scaling: None,
             max_position_embeddings: 40960,
             tie_word_embeddings: name != "8B",
             attention_bias: false,
             qk_norm: true,
-            bos_token_id: Some(151643),
-            eos_token_ids: vec![151645],
+            bos_token_id: (!embedded).then_some(151643),
+            eos_token_ids: vec![if embedded { 2 } else { 151645 }],
         })
     }
 

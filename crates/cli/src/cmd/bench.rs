@@ -43,7 +43,8 @@ pub struct Args {
     /// `cpu` or `cuda:N`.
     #[arg(long, default_value = "cpu")]
     device: Device,
-    /// A Qwen3 shape (`tiny`, `0.6B`, `1.7B`, `4B`, `8B`) or a Hugging Face folder.
+    /// A Qwen3 shape (`embedded`, `tiny`, `0.6B`, `1.7B`, `4B`, `8B`) or a Hugging Face
+    /// folder; `embedded` is the shape `floe train` trains by default.
     #[arg(long, default_value = "tiny")]
     model: String,
     /// Random weights (a folder's `config.json` gives only the shape); shapes named by
@@ -113,7 +114,7 @@ fn model_shape(args: &Args) -> anyhow::Result<(ModelConfig, Option<PathBuf>)> {
     let dir = PathBuf::from(&args.model);
     if !dir.join("config.json").is_file() {
         bail!(
-            "--model `{}` is neither a preset (tiny, 0.6B, 1.7B, 4B, 8B) nor a folder with a \
+            "--model `{}` is neither a preset (embedded, tiny, 0.6B, 1.7B, 4B, 8B) nor a folder with a \
              config.json",
             args.model
         );
