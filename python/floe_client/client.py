@@ -86,16 +86,18 @@ class FloeClient:
         return self._json("GET", "/info")
 
     def create_engine(self, base_model=None, embedded_tokenizer_files=None, seed=0,
-                      max_tokens_per_microbatch=None, recompute=None, sampling_seed=None):
+                      embedded_path="embedded:tiny", max_tokens_per_microbatch=None,
+                      recompute=None, sampling_seed=None):
         """A new engine over base model ``base_model`` (a name from :meth:`info`), or over
-        the embedded tiny model with the given tokenizer files and weight ``seed``."""
+        an embedded model (``embedded_path``) with the given tokenizer files and weight
+        ``seed``."""
         if (base_model is None) == (embedded_tokenizer_files is None):
             raise ValueError("give exactly one of base_model and embedded_tokenizer_files")
         if base_model is not None:
             model = {"base_model": base_model}
         else:
-            model = {"embedded": {"tokenizer_files": dict(embedded_tokenizer_files),
-                                  "seed": seed}}
+            model = {"embedded": {"path": embedded_path, "seed": seed,
+                                  "tokenizer_files": dict(embedded_tokenizer_files)}}
         settings = {key: value for key, value in (
             ("max_tokens_per_microbatch", max_tokens_per_microbatch),
             ("recompute", recompute),

@@ -26,7 +26,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use floe_engine::policy::OptimParams;
 use floe_model::tokenizer::Tokenizer;
-use floe_trainer::embedded::embedded_model_config;
+use floe_trainer::embedded::embedded_model;
 use floe_trainer::engine::{Engine, EngineInfo};
 use floe_trainer::error::Error as EngineError;
 use floe_trainer::local::{AnyLocalEngine, ModelSource};
@@ -278,6 +278,7 @@ fn prepare(native: &Native, engine_dir: &Path, model: ModelSpec) -> Result<Prepa
             })
         }
         ModelSpec::Embedded {
+            path,
             tokenizer_files,
             seed,
         } => {
@@ -306,11 +307,15 @@ fn prepare(native: &Native, engine_dir: &Path, model: ModelSpec) -> Result<Prepa
                     tokenizer.vocab_size()
                 )));
             }
+            let config = embedded_model(&path, &tokenizer)
+                .map_err(|e| ApiError::bad_request(format!("create engine: {e}")))?
+                .ok_or_else(|| {
+                    ApiError::bad_request(format!(
+                        "create engine: embedded.path {path:?} is not an embedded model (embedded:tiny, embedded:0.6B, ...)"
+                    ))
+                })?;
             Ok(Prepared {
-                source: ModelSource::Random {
-                    config: embedded_model_config(&tokenizer),
-                    seed,
-                },
+                source: ModelSource::Random { config, seed },
                 tokenizer: Some(tokenizer),
                 tokenizer_files,
             })

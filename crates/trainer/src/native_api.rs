@@ -42,15 +42,22 @@ pub enum ModelSpec {
     /// A base model the server offers, by name; its tokenizer files come back in the
     /// [`CreateEngineResponse`].
     BaseModel(String),
-    /// The embedded tiny model (`embedded:tiny`) over the client's tokenizer, with
-    /// random weights from `seed`: what a local embedded run builds from the same
-    /// tokenizer and `trainer.seed`.
+    /// An embedded model (`embedded:tiny`, `embedded:0.6B`, ...) over the client's
+    /// tokenizer, with random weights from `seed`: what a local embedded run builds from
+    /// the same tokenizer and `trainer.seed`.
     Embedded {
+        /// The embedded `model.path`.
+        #[serde(default = "embedded_tiny")]
+        path: String,
         /// `tokenizer.json` and `tokenizer_config.json` by file name.
         tokenizer_files: BTreeMap<String, String>,
         /// Seed of the random weights.
         seed: u64,
     },
+}
+
+fn embedded_tiny() -> String {
+    crate::embedded::EMBEDDED_TINY.to_string()
 }
 
 /// The engine settings a client chooses (they change results: a different micro-batch

@@ -2,9 +2,10 @@
 //! ([`crate::native_api`]) over blocking HTTP, so `floe train engine.remote=http://host:port`
 //! runs the loop here and the model on the server.
 //!
-//! A run's remote engine holds the same model a local run would build: for
-//! `model.path = "embedded:tiny"` the trainer trains its tokenizer as usual and sends it
-//! with `trainer.seed`, and the server builds the embedded model from exactly those; any
+//! A run's remote engine holds the same model a local run would build: for an embedded
+//! `model.path` (`embedded:tiny`, `embedded:0.6B`, ...) the trainer trains its tokenizer as
+//! usual and sends it with `trainer.seed`, and the server builds the embedded model from
+//! exactly those; any
 //! other `model.path` names a base model the server offers (`floe serve --model
 //! NAME=PATH`), whose tokenizer files the server sends back into `<run_dir>/tokenizer/`.
 //! The client also sends the run's micro-batch budget and seeds, so a remote run packs,
@@ -28,7 +29,7 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 use crate::config::Config;
-use crate::embedded::{EMBEDDED_TINY, TOKENIZER_DIR};
+use crate::embedded::{is_embedded, TOKENIZER_DIR};
 use crate::engine::{
     Engine, EngineInfo, ForwardBackwardOutput, Loss, SequenceGroup, TokenOutputs, TrainGroup,
     Weights,
@@ -503,9 +504,10 @@ pub fn connect_for_run(
         seed: Some(options.seed),
     };
     let tokenizer_dir = run_dir.join(TOKENIZER_DIR);
-    if config.model.path == EMBEDDED_TINY {
+    if is_embedded(&config.model.path) {
         let setup = model_setup(config, run_dir, train_rows, fresh)?;
         let model = ModelSpec::Embedded {
+            path: config.model.path.clone(),
             tokenizer_files: read_tokenizer_files(&tokenizer_dir)?,
             // The seed `model_setup` gives the embedded weights.
             seed: config.trainer.seed,
