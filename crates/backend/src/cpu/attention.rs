@@ -1,20 +1,29 @@
 //! Softmax attention on the CPU: packed causal segments (training) and the paged KV cache
-//! (sampling). Both reduce to one routine, [`attend_row`], over a list of key rows.
+//! (sampling).
+//!
+//! Both cut their queries into [`QueryBlock`]s: up to [`QUERY_BLOCK`] consecutive tokens of
+//! one sequence, for one kv head. A block gathers the keys and values its tokens read into
+//! contiguous `[keys, D]` matrices and its `group` query heads into `[tokens · group, D]`,
+//! then runs as matrix products (`block_forward`, `block_backward`); the per-row softmax
+//! is the only scalar loop. Blocks run in parallel and write private outputs, which are
+//! scattered (and, for keys read by several blocks, summed) afterwards.
 
 use rayon::prelude::*;
 
-use super::float::{axpy, dot, CpuFloat};
-use crate::{AttnShape, Error, Result, Segment};
+use super::float::{dot, max, sum, CpuFloat};
+use super::gemm_serial;
+use crate::{AttnShape, Error, Matmul, Result, Segment};
 
-/// Marks a token that belongs to no segment in [`segment_of_tokens`].
+/// Marks a token that belongs to no segment in [`check_segments`].
 const NO_SEGMENT: u32 = u32::MAX;
 
-/// Checks `segments` against `tokens` and returns the segment of each token.
-pub(crate) fn segment_of_tokens(
-    op: &'static str,
-    segments: &[Segment],
-    tokens: usize,
-) -> Result<Vec<u32>> {
+/// Most query tokens per block: bounds the score matrix and the work spent on keys past
+/// the causal diagonal (under `QUERY_BLOCK / 2` per query on average), while keeping the
+/// products large enough to run near the GEMM's peak.
+const QUERY_BLOCK: usize = 64;
+
+/// Checks that `segments` lie within `tokens` and do not overlap.
+pub(crate) fn check_segments(op: &'static str, segments: &[Segment], tokens: usize) -> Result<()> {
     let mut owner = vec![NO_SEGMENT; tokens];
     for (i, s) in segments.iter().enumerate() {
         let (start, len) = (s.start as usize, s.len as usize);
@@ -47,55 +56,216 @@ pub(crate) fn segment_of_tokens(
             *o = i as u32;
         }
     }
-    Ok(owner)
+    Ok(())
 }
 
-/// The key rows query token `t` of segment `s` attends to: its prefix, then causally its
-/// own segment up to and including `t`.
-fn key_rows(s: &Segment, t: usize, rows: &mut Vec<usize>) {
-    rows.clear();
-    if s.prefix_len > 0 {
-        let p = s.prefix_start as usize;
-        rows.extend(p..p + s.prefix_len as usize);
-    }
-    rows.extend(s.start as usize..=t);
-}
-
-/// One query row of one head: `out = softmax(scale · q·Kᵀ) · V` over the key rows
-/// `rows` (row `r` of head `kv_head` starts at `r · row_stride + kv_head · D`); returns the
-/// log-sum-exp of the scaled logits.
-#[allow(clippy::too_many_arguments)]
-fn attend_row<T: CpuFloat>(
-    out: &mut [T],
-    scores: &mut Vec<T>,
-    q: &[T],
-    k: &[T],
-    v: &[T],
-    rows: &[usize],
-    row_stride: usize,
+/// Consecutive query tokens `first..first + len` of one sequence, attending with the query
+/// heads of kv head `kv_head`. Its keys (listed by the caller) end with the block's own
+/// tokens: query `i` of the block sees the first `keys − len + i + 1` of them.
+#[derive(Clone, Copy, Debug)]
+struct QueryBlock {
+    first: usize,
+    len: usize,
     kv_head: usize,
+}
+
+/// The blocks of packed `segments`, each with the segment it belongs to.
+fn packed_blocks(segments: &[Segment], kv_heads: usize) -> Vec<(QueryBlock, &Segment)> {
+    let mut blocks = Vec::new();
+    for seg in segments {
+        let (start, end) = (seg.start as usize, (seg.start + seg.len) as usize);
+        for first in (start..end).step_by(QUERY_BLOCK) {
+            let len = QUERY_BLOCK.min(end - first);
+            for kv_head in 0..kv_heads {
+                blocks.push((
+                    QueryBlock {
+                        first,
+                        len,
+                        kv_head,
+                    },
+                    seg,
+                ));
+            }
+        }
+    }
+    blocks
+}
+
+/// Key rows of a packed block: the segment's prefix, then causally its own tokens up to
+/// the block's last.
+fn packed_keys(seg: &Segment, block: &QueryBlock, rows: &mut Vec<usize>) {
+    rows.clear();
+    if seg.prefix_len > 0 {
+        let p = seg.prefix_start as usize;
+        rows.extend(p..p + seg.prefix_len as usize);
+    }
+    rows.extend(seg.start as usize..block.first + block.len);
+}
+
+/// `dst = [src[r · stride + offset ..][..width] for r in rows]`.
+fn gather<T: CpuFloat>(
+    dst: &mut Vec<T>,
+    src: &[T],
+    rows: impl Iterator<Item = usize>,
+    stride: usize,
+    offset: usize,
+    width: usize,
+) {
+    dst.clear();
+    for r in rows {
+        let at = r * stride + offset;
+        dst.extend_from_slice(&src[at..at + width]);
+    }
+}
+
+/// Geometry shared by the blocks of one call.
+#[derive(Clone, Copy)]
+struct Heads {
+    /// Query heads per kv head.
+    group: usize,
+    q_heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+}
+
+impl Heads {
+    fn new(shape: &AttnShape) -> Self {
+        Self {
+            group: shape.q_heads / shape.kv_heads,
+            q_heads: shape.q_heads,
+            kv_heads: shape.kv_heads,
+            head_dim: shape.head_dim,
+        }
+    }
+
+    /// The block's `[len · group, D]` rows of a `[T, q_heads, D]` tensor (its kv head's
+    /// query heads are adjacent in each token's row).
+    fn gather_q<T: CpuFloat>(&self, dst: &mut Vec<T>, x: &[T], b: &QueryBlock) {
+        let width = self.group * self.head_dim;
+        let rows = b.first..b.first + b.len;
+        gather(
+            dst,
+            x,
+            rows,
+            self.q_heads * self.head_dim,
+            b.kv_head * width,
+            width,
+        );
+    }
+
+    /// `[keys, D]` rows of kv head `b.kv_head` of a `[·, kv_heads, D]` tensor or cache.
+    fn gather_kv<T: CpuFloat>(&self, dst: &mut Vec<T>, x: &[T], b: &QueryBlock, keys: &[usize]) {
+        let d = self.head_dim;
+        gather(
+            dst,
+            x,
+            keys.iter().copied(),
+            self.kv_heads * d,
+            b.kv_head * d,
+            d,
+        );
+    }
+
+    /// Writes a block's `[len · group, D]` rows back into a `[T, q_heads, D]` tensor.
+    fn scatter_q<T: CpuFloat>(&self, x: &mut [T], b: &QueryBlock, rows: &[T]) {
+        let width = self.group * self.head_dim;
+        for (i, src) in rows.chunks_exact(width).enumerate() {
+            let at = (b.first + i) * self.q_heads * self.head_dim + b.kv_head * width;
+            x[at..at + width].copy_from_slice(src);
+        }
+    }
+
+    /// Adds a block's `[keys, D]` gradient rows into a `[T, kv_heads, D]` tensor.
+    fn scatter_add_kv<T: CpuFloat>(&self, x: &mut [T], b: &QueryBlock, keys: &[usize], rows: &[T]) {
+        let d = self.head_dim;
+        for (&r, src) in keys.iter().zip(rows.chunks_exact(d)) {
+            let at = (r * self.kv_heads + b.kv_head) * d;
+            for (x, &s) in x[at..at + d].iter_mut().zip(src) {
+                *x += s;
+            }
+        }
+    }
+}
+
+/// Per-thread buffers of one block.
+struct Scratch<T> {
+    keys: Vec<usize>,
+    q: Vec<T>,
+    k: Vec<T>,
+    v: Vec<T>,
+    /// `[len · group, keys]` scores, then probabilities.
+    p: Vec<T>,
+    /// Backward: `[len · group, keys]` gradients of the probabilities, then of the scores.
+    dp: Vec<T>,
+    dout: Vec<T>,
+    out: Vec<T>,
+}
+
+impl<T> Default for Scratch<T> {
+    fn default() -> Self {
+        Self {
+            keys: Vec::new(),
+            q: Vec::new(),
+            k: Vec::new(),
+            v: Vec::new(),
+            p: Vec::new(),
+            dp: Vec::new(),
+            dout: Vec::new(),
+            out: Vec::new(),
+        }
+    }
+}
+
+/// Keys visible to score row `r` of a block of `len` queries over `keys` keys.
+#[inline]
+fn visible(r: usize, group: usize, len: usize, keys: usize) -> usize {
+    keys - len + r / group + 1
+}
+
+/// One block's forward from the gathered `s.q`, `s.k`, `s.v`: returns its `[len · group,
+/// D]` outputs and `[len · group]` log-sum-exps.
+fn block_forward<T: CpuFloat>(
+    s: &mut Scratch<T>,
+    len: usize,
+    heads: &Heads,
     scale: T,
-) -> T {
-    let d = q.len();
-    let at = |r: usize| r * row_stride + kv_head * d;
-    scores.clear();
-    let mut max = T::NEG_INFINITY;
-    for &r in rows {
-        let s = scale * dot(q, &k[at(r)..at(r) + d]);
-        max = max.max(s);
-        scores.push(s);
+) -> (Vec<T>, Vec<T>) {
+    let (d, group) = (heads.head_dim, heads.group);
+    let (m, n) = (len * group, s.keys.len());
+    s.p.resize(m * n, T::ZERO);
+    let scores = Matmul {
+        m,
+        n,
+        k: d,
+        trans_a: false,
+        trans_b: true,
+    };
+    gemm_serial(&mut s.p, &s.q, &s.k, scores, false, scale);
+    let mut lse = Vec::with_capacity(m);
+    for (r, row) in s.p.chunks_exact_mut(n).enumerate() {
+        let (seen, masked) = row.split_at_mut(visible(r, group, len, n));
+        let max = max(seen);
+        for x in seen.iter_mut() {
+            *x = (*x - max).exp_vec();
+        }
+        let sum = sum(seen);
+        let inv = T::ONE / sum;
+        for x in seen.iter_mut() {
+            *x *= inv;
+        }
+        masked.fill(T::ZERO);
+        lse.push(max + sum.ln());
     }
-    let mut sum = T::ZERO;
-    for s in scores.iter_mut() {
-        *s = (*s - max).exp();
-        sum += *s;
-    }
-    out.fill(T::ZERO);
-    let inv = T::ONE / sum;
-    for (&r, &p) in rows.iter().zip(scores.iter()) {
-        axpy(out, p * inv, &v[at(r)..at(r) + d]);
-    }
-    max + sum.ln()
+    let mut out = vec![T::ZERO; m * d];
+    let values = Matmul {
+        m,
+        n: d,
+        k: n,
+        trans_a: false,
+        trans_b: false,
+    };
+    gemm_serial(&mut out, &s.p, &s.v, values, false, T::ONE);
+    (out, lse)
 }
 
 /// Forward of packed causal attention; see [`crate::Backend::attention_forward`].
@@ -106,43 +276,97 @@ pub(crate) fn forward<T: CpuFloat>(
     q: &[T],
     k: &[T],
     v: &[T],
-    owner: &[u32],
     segments: &[Segment],
     shape: AttnShape,
 ) {
-    let (hq, hkv, d) = (shape.q_heads, shape.kv_heads, shape.head_dim);
-    let group = hq / hkv;
+    let heads = Heads::new(&shape);
     let scale = T::from_f32(shape.scale);
-    out.par_chunks_mut(hq * d)
-        .zip(lse.par_chunks_mut(hq))
-        .enumerate()
-        .for_each_init(
-            || (Vec::new(), Vec::new()),
-            |(rows, scores), (t, (out_t, lse_t))| {
-                let Some(seg) = segments.get(owner[t] as usize) else {
-                    return;
-                };
-                key_rows(seg, t, rows);
-                for h in 0..hq {
-                    let q_th = &q[(t * hq + h) * d..(t * hq + h + 1) * d];
-                    lse_t[h] = attend_row(
-                        &mut out_t[h * d..(h + 1) * d],
-                        scores,
-                        q_th,
-                        k,
-                        v,
-                        rows,
-                        hkv * d,
-                        h / group,
-                        scale,
-                    );
-                }
-            },
-        );
+    let blocks = packed_blocks(segments, heads.kv_heads);
+    let results: Vec<(Vec<T>, Vec<T>)> = blocks
+        .par_iter()
+        .map_init(Scratch::default, |s, (b, seg)| {
+            packed_keys(seg, b, &mut s.keys);
+            heads.gather_q(&mut s.q, q, b);
+            heads.gather_kv(&mut s.k, k, b, &s.keys);
+            heads.gather_kv(&mut s.v, v, b, &s.keys);
+            block_forward(s, b.len, &heads, scale)
+        })
+        .collect();
+    for ((b, _), (out_b, lse_b)) in blocks.iter().zip(&results) {
+        heads.scatter_q(out, b, out_b);
+        let width = heads.group;
+        for (i, src) in lse_b.chunks_exact(width).enumerate() {
+            let at = (b.first + i) * heads.q_heads + b.kv_head * width;
+            lse[at..at + width].copy_from_slice(src);
+        }
+    }
+}
+
+/// One block's gradients from the gathered `s.q`, `s.k`, `s.v`, `s.dout`, `s.out` and the
+/// rows' log-sum-exps: returns `dq` (`[len · group, D]`), `dk` and `dv` (`[keys, D]`).
+fn block_backward<T: CpuFloat>(
+    s: &mut Scratch<T>,
+    lse: &[T],
+    len: usize,
+    heads: &Heads,
+    scale: T,
+) -> [Vec<T>; 3] {
+    let (d, group) = (heads.head_dim, heads.group);
+    let (m, n) = (len * group, s.keys.len());
+    let scores = Matmul {
+        m,
+        n,
+        k: d,
+        trans_a: false,
+        trans_b: true,
+    };
+    s.p.resize(m * n, T::ZERO);
+    s.dp.resize(m * n, T::ZERO);
+    gemm_serial(&mut s.p, &s.q, &s.k, scores, false, scale);
+    gemm_serial(&mut s.dp, &s.dout, &s.v, scores, false, T::ONE);
+    // p = exp(s − lse); ds = p (dp − rowsum(dO ∘ O)), the softmax Jacobian applied to dp.
+    for (r, (p, dp)) in
+        s.p.chunks_exact_mut(n)
+            .zip(s.dp.chunks_exact_mut(n))
+            .enumerate()
+    {
+        let seen = visible(r, group, len, n);
+        let delta = dot(&s.dout[r * d..(r + 1) * d], &s.out[r * d..(r + 1) * d]);
+        let (p_seen, p_masked) = p.split_at_mut(seen);
+        let (dp_seen, dp_masked) = dp.split_at_mut(seen);
+        for (p, dp) in p_seen.iter_mut().zip(dp_seen.iter_mut()) {
+            *p = (*p - lse[r]).exp_vec();
+            *dp = *p * (*dp - delta);
+        }
+        p_masked.fill(T::ZERO);
+        dp_masked.fill(T::ZERO);
+    }
+    let mut dq = vec![T::ZERO; m * d];
+    let mut dk = vec![T::ZERO; n * d];
+    let mut dv = vec![T::ZERO; n * d];
+    let from_scores = Matmul {
+        m,
+        n: d,
+        k: n,
+        trans_a: false,
+        trans_b: false,
+    };
+    gemm_serial(&mut dq, &s.dp, &s.k, from_scores, false, scale);
+    let to_keys = Matmul {
+        m: n,
+        n: d,
+        k: m,
+        trans_a: true,
+        trans_b: false,
+    };
+    gemm_serial(&mut dk, &s.dp, &s.q, to_keys, false, scale);
+    gemm_serial(&mut dv, &s.p, &s.dout, to_keys, false, T::ONE);
+    [dq, dk, dv]
 }
 
 /// Backward of packed causal attention; see [`crate::Backend::attention_backward`].
-/// `dq`, `dk`, `dv` must be zero on entry.
+/// `dk` and `dv` must be zero on entry (blocks add into them: keys shared as a prefix are
+/// read by several segments and their gradients sum).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn backward<T: CpuFloat>(
     dq: &mut [T],
@@ -157,60 +381,36 @@ pub(crate) fn backward<T: CpuFloat>(
     segments: &[Segment],
     shape: AttnShape,
 ) {
-    let (tokens, hq, hkv, d) = (shape.tokens, shape.q_heads, shape.kv_heads, shape.head_dim);
-    let group = hq / hkv;
+    let heads = Heads::new(&shape);
     let scale = T::from_f32(shape.scale);
-    // One task per kv head: it owns the gradients of its keys and values and of the query
-    // heads that read them, in private [T, ·, D] buffers scattered back at the end (shared
-    // prefix keys are read by several segments and must sum).
-    let per_head: Vec<(Vec<T>, Vec<T>, Vec<T>)> = (0..hkv)
-        .into_par_iter()
-        .map(|g| {
-            let mut dq_g = vec![T::ZERO; tokens * group * d];
-            let mut dk_g = vec![T::ZERO; tokens * d];
-            let mut dv_g = vec![T::ZERO; tokens * d];
-            let mut rows = Vec::new();
-            let mut probs = Vec::new();
-            let kv_at = |r: usize| (r * hkv + g) * d;
-            for seg in segments {
-                for t in seg.start as usize..(seg.start + seg.len) as usize {
-                    key_rows(seg, t, &mut rows);
-                    for hg in 0..group {
-                        let h = g * group + hg;
-                        let at = (t * hq + h) * d;
-                        let (q_th, do_th, o_th) =
-                            (&q[at..at + d], &dout[at..at + d], &out[at..at + d]);
-                        let lse_th = lse[t * hq + h];
-                        // rowsum(dO ∘ O): the softmax Jacobian's correction term.
-                        let delta = dot(do_th, o_th);
-                        probs.clear();
-                        for &r in &rows {
-                            probs.push(
-                                (scale * dot(q_th, &k[kv_at(r)..kv_at(r) + d]) - lse_th).exp(),
-                            );
-                        }
-                        let dq_th = &mut dq_g[(t * group + hg) * d..(t * group + hg + 1) * d];
-                        for (&r, &p) in rows.iter().zip(&probs) {
-                            let dp = dot(do_th, &v[kv_at(r)..kv_at(r) + d]);
-                            let ds = p * (dp - delta);
-                            axpy(dq_th, scale * ds, &k[kv_at(r)..kv_at(r) + d]);
-                            axpy(&mut dk_g[r * d..(r + 1) * d], scale * ds, q_th);
-                            axpy(&mut dv_g[r * d..(r + 1) * d], p, do_th);
-                        }
-                    }
-                }
-            }
-            (dq_g, dk_g, dv_g)
+    let blocks = packed_blocks(segments, heads.kv_heads);
+    let results: Vec<(Vec<usize>, [Vec<T>; 3])> = blocks
+        .par_iter()
+        .map_init(Scratch::default, |s, (b, seg)| {
+            packed_keys(seg, b, &mut s.keys);
+            heads.gather_q(&mut s.q, q, b);
+            heads.gather_q(&mut s.dout, dout, b);
+            heads.gather_q(&mut s.out, out, b);
+            heads.gather_kv(&mut s.k, k, b, &s.keys);
+            heads.gather_kv(&mut s.v, v, b, &s.keys);
+            let group = heads.group;
+            let mut lse_b = Vec::with_capacity(b.len * group);
+            gather(
+                &mut lse_b,
+                lse,
+                b.first..b.first + b.len,
+                heads.q_heads,
+                b.kv_head * group,
+                group,
+            );
+            let grads = block_backward(s, &lse_b, b.len, &heads, scale);
+            (s.keys.clone(), grads)
         })
         .collect();
-    for (g, (dq_g, dk_g, dv_g)) in per_head.iter().enumerate() {
-        for t in 0..tokens {
-            let q_at = (t * hq + g * group) * d;
-            dq[q_at..q_at + group * d].copy_from_slice(&dq_g[t * group * d..(t + 1) * group * d]);
-            let kv_at = (t * hkv + g) * d;
-            dk[kv_at..kv_at + d].copy_from_slice(&dk_g[t * d..(t + 1) * d]);
-            dv[kv_at..kv_at + d].copy_from_slice(&dv_g[t * d..(t + 1) * d]);
-        }
+    for ((b, _), (keys, [dq_b, dk_b, dv_b])) in blocks.iter().zip(&results) {
+        heads.scatter_q(dq, b, dq_b);
+        heads.scatter_add_kv(dk, b, keys, dk_b);
+        heads.scatter_add_kv(dv, b, keys, dv_b);
     }
 }
 
@@ -256,6 +456,42 @@ impl PagedIndex<'_> {
         }
         Ok(block * self.block_size + pos % self.block_size)
     }
+
+    /// Blocks of query tokens that are consecutive positions of one sequence (a prefill
+    /// chunk; every decoded token is a block of its own).
+    fn blocks(&self, kv_heads: usize) -> Vec<QueryBlock> {
+        let mut blocks = Vec::new();
+        let tokens = self.token_seq.len();
+        let mut first = 0;
+        while first < tokens {
+            let mut len = 1;
+            while len < QUERY_BLOCK
+                && first + len < tokens
+                && self.token_seq[first + len] == self.token_seq[first]
+                && self.token_pos[first + len] == self.token_pos[first] + len as u32
+            {
+                len += 1;
+            }
+            blocks.extend((0..kv_heads).map(|kv_head| QueryBlock {
+                first,
+                len,
+                kv_head,
+            }));
+            first += len;
+        }
+        blocks
+    }
+
+    /// Cache slots of positions `0..=pos` of the block's sequence, `pos` its last token's.
+    fn keys(&self, b: &QueryBlock, rows: &mut Vec<usize>) -> Result<()> {
+        let last = b.first + b.len - 1;
+        let (seq, pos) = (self.token_seq[last] as usize, self.token_pos[last] as usize);
+        rows.clear();
+        for p in 0..=pos {
+            rows.push(self.slot(seq, p)?);
+        }
+        Ok(())
+    }
 }
 
 /// Attention of each query token over its sequence's cached positions `0..=pos`.
@@ -267,32 +503,225 @@ pub(crate) fn paged<T: CpuFloat>(
     index: &PagedIndex<'_>,
     shape: AttnShape,
 ) -> Result<()> {
-    let (hq, hkv, d) = (shape.q_heads, shape.kv_heads, shape.head_dim);
-    let group = hq / hkv;
+    let heads = Heads::new(&shape);
     let scale = T::from_f32(shape.scale);
-    out.par_chunks_mut(hq * d).enumerate().try_for_each_init(
-        || (Vec::new(), Vec::new()),
-        |(rows, scores), (t, out_t)| -> Result<()> {
-            let (seq, pos) = (index.token_seq[t] as usize, index.token_pos[t] as usize);
-            rows.clear();
-            for p in 0..=pos {
-                rows.push(index.slot(seq, p)?);
-            }
+    let blocks = index.blocks(heads.kv_heads);
+    let results: Vec<Vec<T>> = blocks
+        .par_iter()
+        .map_init(Scratch::default, |s, b| -> Result<Vec<T>> {
+            index.keys(b, &mut s.keys)?;
+            heads.gather_q(&mut s.q, q, b);
+            heads.gather_kv(&mut s.k, k_cache, b, &s.keys);
+            heads.gather_kv(&mut s.v, v_cache, b, &s.keys);
+            Ok(block_forward(s, b.len, &heads, scale).0)
+        })
+        .collect::<Result<_>>()?;
+    for (b, out_b) in blocks.iter().zip(&results) {
+        heads.scatter_q(out, b, out_b);
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    //! The blocked attention against one softmax per query row, on segments several
+    //! [`QUERY_BLOCK`]s long (the op tests in `tests/cpu_ops.rs` use short ones).
+
+    use super::*;
+
+    const SHAPE: (usize, usize, usize) = (4, 2, 8);
+
+    fn shape(tokens: usize) -> AttnShape {
+        AttnShape {
+            tokens,
+            q_heads: SHAPE.0,
+            kv_heads: SHAPE.1,
+            head_dim: SHAPE.2,
+            scale: 0.4,
+        }
+    }
+
+    /// Deterministic values in [−1, 1).
+    fn values(n: usize, seed: u64) -> Vec<f64> {
+        (0..n as u64)
+            .map(|i| {
+                let z = crate::sampling::mix64(seed.wrapping_mul(0x9E37_79B9) ^ i);
+                (z >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0
+            })
+            .collect()
+    }
+
+    /// One softmax per query row over `keys[t]` (rows of k/v), f64.
+    fn naive(q: &[f64], k: &[f64], v: &[f64], keys: &[Vec<usize>], scale: f64) -> Vec<f64> {
+        let (hq, hkv, d) = SHAPE;
+        let mut out = vec![0.0; q.len()];
+        for (t, keys) in keys.iter().enumerate() {
             for h in 0..hq {
-                let q_th = &q[(t * hq + h) * d..(t * hq + h + 1) * d];
-                attend_row(
-                    &mut out_t[h * d..(h + 1) * d],
-                    scores,
-                    q_th,
-                    k_cache,
-                    v_cache,
-                    rows,
-                    hkv * d,
-                    h / group,
-                    scale,
-                );
+                let g = h / (hq / hkv);
+                let q_th = &q[(t * hq + h) * d..][..d];
+                let s: Vec<f64> = keys
+                    .iter()
+                    .map(|&j| scale * dot(q_th, &k[(j * hkv + g) * d..][..d]))
+                    .collect();
+                let max = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                let z: f64 = s.iter().map(|x| (x - max).exp()).sum();
+                for (&j, &sj) in keys.iter().zip(&s) {
+                    let p = (sj - max).exp() / z;
+                    for i in 0..d {
+                        out[(t * hq + h) * d + i] += p * v[(j * hkv + g) * d + i];
+                    }
+                }
             }
-            Ok(())
-        },
-    )
+        }
+        out
+    }
+
+    fn max_diff(a: &[f64], b: &[f64]) -> f64 {
+        a.iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0, f64::max)
+    }
+
+    /// A plain sequence of 150 tokens, a shared prompt of 70 read by responses of 80 and
+    /// 5 tokens, one token outside every segment, and a sequence of 1.
+    fn layout() -> (usize, Vec<Segment>, Vec<Vec<usize>>) {
+        let seg = |start, len, prefix_start, prefix_len| Segment {
+            start,
+            len,
+            prefix_start,
+            prefix_len,
+        };
+        let segments = vec![
+            seg(0, 150, 0, 0),
+            seg(150, 70, 0, 0),
+            seg(220, 80, 150, 70),
+            seg(300, 5, 150, 70),
+            seg(306, 1, 0, 0),
+        ];
+        let mut keys = vec![Vec::new(); 307];
+        for s in &segments {
+            for t in s.start..s.start + s.len {
+                let prefix = s.prefix_start..s.prefix_start + s.prefix_len;
+                keys[t as usize] = prefix.chain(s.start..=t).map(|x| x as usize).collect();
+            }
+        }
+        (307, segments, keys)
+    }
+
+    fn packed_forward(q: &[f64], k: &[f64], v: &[f64], segments: &[Segment]) -> [Vec<f64>; 2] {
+        let (hq, _, d) = SHAPE;
+        let tokens = q.len() / (hq * d);
+        let mut out = vec![0.0; q.len()];
+        let mut lse = vec![0.0; tokens * hq];
+        forward(&mut out, &mut lse, q, k, v, segments, shape(tokens));
+        [out, lse]
+    }
+
+    #[test]
+    fn packed_forward_matches_one_softmax_per_row() {
+        let (tokens, segments, keys) = layout();
+        let (hq, hkv, d) = SHAPE;
+        let q = values(tokens * hq * d, 1);
+        let (k, v) = (values(tokens * hkv * d, 2), values(tokens * hkv * d, 3));
+        let [out, lse] = packed_forward(&q, &k, &v, &segments);
+        let want = naive(&q, &k, &v, &keys, 0.4_f32 as f64);
+        assert!(max_diff(&out, &want) < 1e-13, "{}", max_diff(&out, &want));
+        // The token outside every segment is left untouched.
+        assert!(out[305 * hq * d..306 * hq * d].iter().all(|&x| x == 0.0));
+        assert!(lse[305 * hq..306 * hq].iter().all(|&x| x == 0.0));
+    }
+
+    /// Directional finite differences of `L = Σ out · r` along random directions.
+    #[test]
+    fn packed_backward_matches_directional_differences() {
+        let (tokens, segments, _) = layout();
+        let (hq, hkv, d) = SHAPE;
+        let q = values(tokens * hq * d, 4);
+        let (k, v) = (values(tokens * hkv * d, 5), values(tokens * hkv * d, 6));
+        let r = values(tokens * hq * d, 7);
+        let [out, lse] = packed_forward(&q, &k, &v, &segments);
+        let (mut dq, mut dk, mut dv) = (vec![0.0; q.len()], vec![0.0; k.len()], vec![0.0; v.len()]);
+        backward(
+            &mut dq,
+            &mut dk,
+            &mut dv,
+            &r,
+            &out,
+            &lse,
+            &q,
+            &k,
+            &v,
+            &segments,
+            shape(tokens),
+        );
+        let loss =
+            |q: &[f64], k: &[f64], v: &[f64]| dot(&packed_forward(q, k, v, &segments)[0], &r);
+        let eps = 1e-5;
+        let step = |x: &[f64], u: &[f64], sign: f64| -> Vec<f64> {
+            x.iter().zip(u).map(|(x, u)| x + sign * eps * u).collect()
+        };
+        for (name, which, grad) in [("q", 0, &dq), ("k", 1, &dk), ("v", 2, &dv)] {
+            let x = [&q, &k, &v][which];
+            let u = values(x.len(), 10 + which as u64);
+            let at = |sign: f64| {
+                let mut args = [q.clone(), k.clone(), v.clone()];
+                args[which] = step(x, &u, sign);
+                loss(&args[0], &args[1], &args[2])
+            };
+            let numeric = (at(1.0) - at(-1.0)) / (2.0 * eps);
+            let analytic = dot(grad, &u);
+            assert!(
+                (numeric - analytic).abs() < 1e-7 * analytic.abs().max(1.0),
+                "d{name}: {analytic} vs finite differences {numeric}"
+            );
+        }
+    }
+
+    /// Two sequences of 150 and 90 positions sharing their first two cache blocks, queried
+    /// as a 100-token prefill chunk (two blocks) and single tokens out of position order.
+    #[test]
+    fn paged_matches_one_softmax_per_row() {
+        let (hq, hkv, d) = SHAPE;
+        let block_size = 16;
+        let max_blocks = 10;
+        let tables: Vec<u32> = [
+            [0, 1, 2, 3, 4, 5, 6, 7, 8, 9],
+            [0, 1, 12, 13, 14, 15, 16, 17, 18, 19],
+        ]
+        .concat();
+        let num_blocks = 20;
+        let row = hkv * d;
+        let k_cache = values(num_blocks * block_size * row, 20);
+        let v_cache = values(num_blocks * block_size * row, 21);
+        let slot = |s: usize, p: usize| {
+            tables[s * max_blocks + p / block_size] as usize * block_size + p % block_size
+        };
+        let mut token_seq = vec![0u32; 100];
+        let mut token_pos: Vec<u32> = (20..120).collect();
+        token_seq.extend([1, 0, 1, 1]);
+        token_pos.extend([89, 149, 3, 60]);
+        let tokens = token_seq.len();
+        let q = values(tokens * hq * d, 22);
+        let index = PagedIndex {
+            block_tables: &tables,
+            max_blocks,
+            block_size,
+            token_seq: &token_seq,
+            token_pos: &token_pos,
+            num_blocks,
+        };
+        let mut out = vec![0.0; q.len()];
+        paged(&mut out, &q, &k_cache, &v_cache, &index, shape(tokens)).unwrap();
+        // The naive reference reads the cache as a [slots, kv_heads, D] tensor.
+        let keys: Vec<Vec<usize>> = (0..tokens)
+            .map(|t| {
+                (0..=token_pos[t] as usize)
+                    .map(|p| slot(token_seq[t] as usize, p))
+                    .collect()
+            })
+            .collect();
+        let want = naive(&q, &k_cache, &v_cache, &keys, 0.4_f32 as f64);
+        assert!(max_diff(&out, &want) < 1e-13, "{}", max_diff(&out, &want));
+    }
 }

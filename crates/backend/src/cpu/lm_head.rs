@@ -3,7 +3,7 @@
 
 use rayon::prelude::*;
 
-use super::float::CpuFloat;
+use super::float::{max, CpuFloat};
 use super::gemm;
 use crate::{LmHead, Matmul};
 
@@ -13,6 +13,26 @@ fn chunks(spec: &LmHead) -> impl Iterator<Item = (usize, usize)> {
     (0..tokens)
         .step_by(step)
         .map(move |start| (start, step.min(tokens - start)))
+}
+
+/// `(Σ w_j, Σ w_j (z_j − shift))` accumulated in f64, in independent lanes so the loop
+/// vectorises.
+fn sums_f64<T: CpuFloat>(w: &[T], z: &[T], shift: T) -> (f64, f64) {
+    const LANES: usize = 8;
+    let (mut sum, mut weighted) = ([0.0_f64; LANES], [0.0_f64; LANES]);
+    for (w, z) in w.chunks_exact(LANES).zip(z.chunks_exact(LANES)) {
+        for i in 0..LANES {
+            sum[i] += w[i].to_f64();
+            weighted[i] += (w[i] * (z[i] - shift)).to_f64();
+        }
+    }
+    let tail = w.len() - w.len() % LANES;
+    let (mut sum, mut weighted) = (sum.iter().sum::<f64>(), weighted.iter().sum::<f64>());
+    for (&w, &z) in w[tail..].iter().zip(&z[tail..]) {
+        sum += w.to_f64();
+        weighted += (w * (z - shift)).to_f64();
+    }
+    (sum, weighted)
 }
 
 /// `logits[r, :] = logit_scale · hidden[r] · wᵀ` for one chunk.
@@ -62,17 +82,14 @@ pub(crate) fn forward<T: CpuFloat>(
             .zip(entropy[range.clone()].par_iter_mut())
             .zip(lse[range.clone()].par_iter_mut())
             .zip(targets[range].par_iter())
-            .for_each(|((((z, lp), ent), lse), &target)| {
-                let max = z.iter().fold(T::NEG_INFINITY, |m, &x| m.max(x));
+            .for_each_init(Vec::new, |e, ((((z, lp), ent), lse), &target)| {
+                let max = max(z);
+                e.clear();
+                e.extend(z.iter().map(|&x| (x - max).exp_vec()));
                 // Sums over the vocabulary accumulate in f64 whatever T is: with 10⁵
                 // terms, f32 accumulation would cost digits the sampler (which works in
                 // f64) keeps.
-                let (mut sum, mut weighted) = (0.0_f64, 0.0_f64);
-                for &x in z {
-                    let e = (x - max).exp().to_f64();
-                    sum += e;
-                    weighted += e * (x - max).to_f64();
-                }
+                let (sum, weighted) = sums_f64(e, z, max);
                 let row_lse = max + T::from_f64(sum.ln());
                 *lse = row_lse;
                 *lp = z[target as usize] - row_lse;
@@ -106,20 +123,19 @@ pub(crate) fn backward<T: CpuFloat>(
         let h = &hidden[start * dim..(start + rows) * dim];
         let g = &mut grad[..rows * vocab];
         chunk_logits(g, h, w, rows, &spec);
-        g.par_chunks_mut(vocab).enumerate().for_each(|(r, g)| {
-            let t = start + r;
-            let (g_lp, g_h, row_lse) = (dlogprobs[t], dentropy[t], lse[t]);
-            let mut mean_z = 0.0_f64;
-            for &z in g.iter() {
-                mean_z += ((z - row_lse).exp() * z).to_f64();
-            }
-            let mean_z = T::from_f64(mean_z);
-            for z in g.iter_mut() {
-                let p = (*z - row_lse).exp();
-                *z = scale * (-g_lp * p - g_h * p * (*z - mean_z));
-            }
-            g[targets[t] as usize] += scale * g_lp;
-        });
+        g.par_chunks_mut(vocab)
+            .enumerate()
+            .for_each_init(Vec::new, |p, (r, g)| {
+                let t = start + r;
+                let (g_lp, g_h, row_lse) = (dlogprobs[t], dentropy[t], lse[t]);
+                p.clear();
+                p.extend(g.iter().map(|&z| (z - row_lse).exp_vec()));
+                let mean_z = T::from_f64(sums_f64(p, g, T::ZERO).1);
+                for (z, &p) in g.iter_mut().zip(p.iter()) {
+                    *z = scale * (-g_lp * p - g_h * p * (*z - mean_z));
+                }
+                g[targets[t] as usize] += scale * g_lp;
+            });
         let dh = Matmul {
             m: rows,
             n: dim,

@@ -53,11 +53,15 @@ impl<T: CpuFloat> CpuBackend<T> {
     }
 }
 
+/// Elements per rayon task in elementwise ops: large enough that the task overhead is
+/// small and the inner loop vectorises, small enough to split a layer's activations.
+const ELEMENTWISE_CHUNK: usize = 1 << 13;
+
 /// Products smaller than this many multiply-adds run on one thread.
 const PARALLEL_GEMM_FLOPS: usize = 1 << 18;
 
-/// `c = alpha·op(a)·op(b)`, or `c += alpha·op(a)·op(b)` when `accumulate`; lengths checked
-/// by the caller.
+/// `c = alpha·op(a)·op(b)`, or `c += alpha·op(a)·op(b)` when `accumulate`, on every thread
+/// when the product is large enough; lengths checked by the caller.
 pub(crate) fn gemm<T: CpuFloat>(
     c: &mut [T],
     a: &[T],
@@ -65,6 +69,31 @@ pub(crate) fn gemm<T: CpuFloat>(
     dims: Matmul,
     accumulate: bool,
     alpha: T,
+) {
+    let parallel = dims.m * dims.n * dims.k >= PARALLEL_GEMM_FLOPS;
+    gemm_on(c, a, b, dims, accumulate, alpha, parallel);
+}
+
+/// [`gemm`] on the calling thread only, for products inside an already parallel loop.
+pub(crate) fn gemm_serial<T: CpuFloat>(
+    c: &mut [T],
+    a: &[T],
+    b: &[T],
+    dims: Matmul,
+    accumulate: bool,
+    alpha: T,
+) {
+    gemm_on(c, a, b, dims, accumulate, alpha, false);
+}
+
+fn gemm_on<T: CpuFloat>(
+    c: &mut [T],
+    a: &[T],
+    b: &[T],
+    dims: Matmul,
+    accumulate: bool,
+    alpha: T,
+    parallel: bool,
 ) {
     let Matmul {
         m,
@@ -85,7 +114,7 @@ pub(crate) fn gemm<T: CpuFloat>(
     // Row-major strides (row, column) of op(A) [m, k] and op(B) [k, n].
     let (a_rs, a_cs) = if trans_a { (1, m) } else { (k, 1) };
     let (b_rs, b_cs) = if trans_b { (1, k) } else { (n, 1) };
-    let parallelism = if m * n * k >= PARALLEL_GEMM_FLOPS {
+    let parallelism = if parallel {
         gemm::Parallelism::Rayon(rayon::current_num_threads())
     } else {
         gemm::Parallelism::None
@@ -418,9 +447,13 @@ impl<T: CpuFloat> Backend for CpuBackend<T> {
         let x = floats(OP, "x", x)?;
         let y = floats_mut(OP, "y", y)?;
         check_len(OP, "x", x.len(), y.len())?;
-        y.par_iter_mut()
-            .zip(x.par_iter())
-            .for_each(|(y, &x)| *y += x);
+        y.par_chunks_mut(ELEMENTWISE_CHUNK)
+            .zip(x.par_chunks(ELEMENTWISE_CHUNK))
+            .for_each(|(y, x)| {
+                for (y, &x) in y.iter_mut().zip(x) {
+                    *y += x;
+                }
+            });
         Ok(())
     }
 
@@ -712,19 +745,39 @@ impl<T: CpuFloat> Backend for CpuBackend<T> {
         if heads == 0 || half == 0 {
             return Ok(());
         }
+        // Packed sequences repeat positions (each restarts at 0), so the sines and cosines
+        // are computed once per distinct position, into rows of `table` in sorted order.
+        let mut distinct = positions.to_vec();
+        distinct.sort_unstable();
+        distinct.dedup();
+        // [distinct, half] (cos, sin) pairs; the sine negated for the inverse rotation.
+        let mut table = vec![(T::ZERO, T::ZERO); distinct.len() * half];
+        table
+            .par_chunks_mut(half)
+            .zip(distinct.par_iter())
+            .for_each(|(angles, &pos)| {
+                let pos = T::from_f64(pos as f64);
+                for ((cos, sin), &f) in angles.iter_mut().zip(inv_freq) {
+                    // The angle is formed in the storage float, as HF forms it in f32.
+                    let angle = pos * f;
+                    *cos = angle.cos();
+                    *sin = if inverse { -angle.sin() } else { angle.sin() };
+                }
+            });
         x.par_chunks_mut(heads * head_dim)
             .zip(positions.par_iter())
             .for_each(|(x_t, &pos)| {
-                let pos = T::from_f64(pos as f64);
-                for (i, &f) in inv_freq.iter().enumerate() {
-                    // The angle is formed in the storage float, as HF forms it in f32.
-                    let angle = pos * f;
-                    let (sin, cos) = (angle.sin(), angle.cos());
-                    let sin = if inverse { -sin } else { sin };
-                    for head in x_t.chunks_mut(head_dim) {
-                        let (a, b) = (head[i], head[i + half]);
-                        head[i] = a * cos - b * sin;
-                        head[i + half] = b * cos + a * sin;
+                let at = distinct
+                    .binary_search(&pos)
+                    .expect("every position is listed")
+                    * half;
+                let angles = &table[at..at + half];
+                for head in x_t.chunks_exact_mut(head_dim) {
+                    let (lo, hi) = head.split_at_mut(half);
+                    for ((a, b), &(cos, sin)) in lo.iter_mut().zip(hi.iter_mut()).zip(angles) {
+                        let (x, y) = (*a, *b);
+                        *a = x * cos - y * sin;
+                        *b = y * cos + x * sin;
                     }
                 }
             });
@@ -762,8 +815,8 @@ impl<T: CpuFloat> Backend for CpuBackend<T> {
         check_len(OP, "v", v.len(), tokens * kv_heads * head_dim)?;
         check_len(OP, "out", out.len(), tokens * q_heads * head_dim)?;
         check_len(OP, "lse", lse.len(), tokens * q_heads)?;
-        let owner = attention::segment_of_tokens(OP, segments, tokens)?;
-        attention::forward(out, lse, q, k, v, &owner, segments, shape);
+        attention::check_segments(OP, segments, tokens)?;
+        attention::forward(out, lse, q, k, v, segments, shape);
         Ok(())
     }
 
@@ -810,7 +863,7 @@ impl<T: CpuFloat> Backend for CpuBackend<T> {
         check_len(OP, "dk", dk.len(), kv_len)?;
         check_len(OP, "dv", dv.len(), kv_len)?;
         check_len(OP, "lse", lse.len(), tokens * q_heads)?;
-        attention::segment_of_tokens(OP, segments, tokens)?;
+        attention::check_segments(OP, segments, tokens)?;
         dq.fill(T::ZERO);
         dk.fill(T::ZERO);
         dv.fill(T::ZERO);
@@ -941,9 +994,14 @@ impl<T: CpuFloat> Backend for CpuBackend<T> {
         let out = floats_mut(OP, "out", out)?;
         check_len(OP, "up", up.len(), gate.len())?;
         check_len(OP, "out", out.len(), gate.len())?;
-        out.par_iter_mut()
-            .zip(gate.par_iter().zip(up.par_iter()))
-            .for_each(|(o, (&g, &u))| *o = g / (T::ONE + (-g).exp()) * u);
+        out.par_chunks_mut(ELEMENTWISE_CHUNK)
+            .zip(gate.par_chunks(ELEMENTWISE_CHUNK))
+            .zip(up.par_chunks(ELEMENTWISE_CHUNK))
+            .for_each(|((out, gate), up)| {
+                for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
+                    *o = g / (T::ONE + (-g).exp_vec()) * u;
+                }
+            });
         Ok(())
     }
 
@@ -968,14 +1026,19 @@ impl<T: CpuFloat> Backend for CpuBackend<T> {
         check_len(OP, "dgate", dgate.len(), n)?;
         check_len(OP, "dup", dup.len(), n)?;
         // silu(g) = g σ(g), silu'(g) = σ(g) (1 + g (1 − σ(g))).
+        let chunk = ELEMENTWISE_CHUNK;
         dgate
-            .par_iter_mut()
-            .zip(dup.par_iter_mut())
-            .zip(dout.par_iter().zip(gate.par_iter().zip(up.par_iter())))
-            .for_each(|((dg, du), (&d, (&g, &u)))| {
-                let sig = T::ONE / (T::ONE + (-g).exp());
-                *du = d * g * sig;
-                *dg = d * u * sig * (T::ONE + g * (T::ONE - sig));
+            .par_chunks_mut(chunk)
+            .zip(dup.par_chunks_mut(chunk))
+            .zip(dout.par_chunks(chunk))
+            .zip(gate.par_chunks(chunk).zip(up.par_chunks(chunk)))
+            .for_each(|(((dgate, dup), dout), (gate, up))| {
+                let inputs = dout.iter().zip(gate).zip(up);
+                for ((dg, du), ((&d, &g), &u)) in dgate.iter_mut().zip(dup).zip(inputs) {
+                    let sig = T::ONE / (T::ONE + (-g).exp_vec());
+                    *du = d * g * sig;
+                    *dg = d * u * sig * (T::ONE + g * (T::ONE - sig));
+                }
             });
         Ok(())
     }
