@@ -14,9 +14,10 @@
 //! [`AnyLocalEngine`] picks the backend from the configured device, so the RL loop holds
 //! one concrete type whatever the device.
 
+use std::any::Any;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use floe_backend::cpu::CpuBackend;
@@ -160,6 +161,8 @@ pub enum ModelSource {
         /// Tensors named as in [`floe_model::weights::tensor_specs`].
         weights: BTreeMap<String, HostTensor>,
     },
+    /// Base weights loaded once and shared by every engine built from the handle.
+    Shared(SharedBase),
     /// LoRA adapters on a frozen base: only the adapters train.
     Lora {
         /// The base weights.
@@ -176,6 +179,58 @@ pub enum AdapterSource {
     Fresh(LoraConfig),
     /// A PEFT adapter folder (`adapter_config.json`, `adapter_model.safetensors`).
     Dir(PathBuf),
+}
+
+/// Base weights that several engines read without copies (LoRA sessions on one base).
+///
+/// The first engine built from the handle loads the weights (others wait for it), and
+/// every engine gets a model that shares them ([`Transformer::share_base`]), so they stay
+/// frozen while shared: build LoRA policies on it ([`ModelSource::Lora`]). Clones are
+/// the same handle; the weights live as long as any handle or model holds them. The
+/// engines must run on one kind of device (the first one's).
+#[derive(Clone)]
+pub struct SharedBase {
+    source: Arc<ModelSource>,
+    loaded: Arc<OnceLock<std::result::Result<Arc<dyn Any + Send + Sync>, String>>>,
+}
+
+impl std::fmt::Debug for SharedBase {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SharedBase")
+            .field("source", &self.source)
+            .field("loaded", &self.loaded.get().map(|l| l.is_ok()))
+            .finish()
+    }
+}
+
+impl SharedBase {
+    /// A handle on the weights of `source`, loaded when the first engine needs them.
+    pub fn new(source: ModelSource) -> Self {
+        Self {
+            source: Arc::new(source),
+            loaded: Arc::new(OnceLock::new()),
+        }
+    }
+
+    /// A model over the shared weights, loading them onto `backend` on first use.
+    fn model<B: Backend>(&self, backend: Arc<B>) -> Result<Transformer<B>> {
+        let loaded = self.loaded.get_or_init(|| {
+            let model = (*self.source)
+                .clone()
+                .load(backend)
+                .map_err(|e| e.to_string())?;
+            Ok(Arc::new(model) as Arc<dyn Any + Send + Sync>)
+        });
+        let loaded = loaded
+            .as_ref()
+            .map_err(|e| Error::InvalidRequest(format!("loading the shared base failed: {e}")))?;
+        let base = loaded.downcast_ref::<Transformer<B>>().ok_or_else(|| {
+            Error::InvalidRequest(
+                "the shared base was loaded on another kind of device than this engine's".into(),
+            )
+        })?;
+        Ok(base.share_base()?)
+    }
 }
 
 /// The weights of a saved engine state as a [`ModelSource`]: its Hugging Face folder,
@@ -202,6 +257,7 @@ impl ModelSource {
             ModelSource::Host { config, weights } => {
                 Transformer::from_host_weights(backend, config, &weights)?
             }
+            ModelSource::Shared(shared) => shared.model(backend)?,
             ModelSource::Lora { base, adapters } => {
                 let base = base.load(backend)?;
                 match adapters {
