@@ -304,8 +304,9 @@ pub async fn create_model(State(app): State<AppRef>, body: Body) -> Result<Json<
         .transpose()
         .map_err(ApiError::bad_request)?;
     if let Some(lora) = &lora {
+        let shared = app.shared_base(&request.base_model, base.source);
         base.source = ModelSource::Lora {
-            base: Box::new(base.source),
+            base: Box::new(shared),
             adapters: AdapterSource::Fresh(lora.clone()),
         };
     }
@@ -655,6 +656,9 @@ pub async fn load_weights(State(app): State<AppRef>, body: Body) -> Result<Json<
         (Some(session_id), Some(model_seq_id), _, _) => {
             let mut base = load_base(&app, &meta.base_model)?;
             let lora = checkpoint_lora(&dir)?;
+            if lora.is_some() {
+                base.source = app.shared_base(&meta.base_model, base.source);
+            }
             // Without the optimizer the engine starts from the saved weights (or
             // adapters) with fresh AdamW moments; with it the whole saved state is restored.
             let state_dir = if request.optimizer {
@@ -715,6 +719,9 @@ pub async fn create_sampling_session(
             let dir = app.checkpoint_dir(&path);
             let meta = CheckpointMeta::read(&dir, &path)?;
             let mut base = load_base(&app, &meta.base_model)?;
+            if checkpoint_lora(&dir)?.is_some() {
+                base.source = app.shared_base(&meta.base_model, base.source);
+            }
             base.source = saved_weights_source(&dir, base.source);
             (meta.base_model, base)
         }

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use axum::http::StatusCode;
 use floe_engine::policy::{is_lora_state, ADAPTER_DIR};
 use floe_model::lora::{read_adapter_config, LoraConfig};
-use floe_trainer::local::LocalEngineOptions;
+use floe_trainer::local::{LocalEngineOptions, ModelSource, SharedBase};
 use serde::{Deserialize, Serialize};
 
 use crate::catalog::Catalog;
@@ -138,6 +138,8 @@ pub struct AppState {
     /// Futures of every slow request.
     pub futures: Arc<Futures>,
     registry: Mutex<Registry>,
+    /// The base weights LoRA models read, one copy per base model name.
+    shared_bases: Mutex<HashMap<String, SharedBase>>,
 }
 
 impl AppState {
@@ -148,7 +150,18 @@ impl AppState {
             config,
             futures,
             registry: Mutex::new(Registry::default()),
+            shared_bases: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// The one in-memory copy of base model `name` that LoRA models share, loaded from
+    /// `source` by the first engine that needs it; it stays resident while the server runs.
+    pub fn shared_base(&self, name: &str, source: ModelSource) -> ModelSource {
+        let mut bases = self.shared_bases.lock().unwrap_or_else(|e| e.into_inner());
+        let shared = bases
+            .entry(name.to_string())
+            .or_insert_with(|| SharedBase::new(source));
+        ModelSource::Shared(shared.clone())
     }
 
     /// The tables (a poisoned lock still holds consistent maps: no code panics mid-edit).
