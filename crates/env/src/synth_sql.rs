@@ -13,8 +13,8 @@
 //! question appears in both splits in similar proportions.
 //!
 //! Each row's `extra_info` carries `db_id`, `db_path`, `difficulty` (1–5), `template`, the
-//! question's `constants`, and `reference_answer`, a completion in the expected format that a
-//! supervised warm start can train on.
+//! question's `constants`, and `reference_answer`, a completion in the expected format (its
+//! reasoning restates the question, then the plan) that a supervised warm start can train on.
 
 use std::collections::{BTreeMap, HashMap};
 use std::fmt::Write as _;
@@ -224,7 +224,10 @@ fn to_row(
     extras.insert("split".into(), json!(split));
     extras.insert(
         "reference_answer".into(),
-        json!(arctic_answer(&q.reasoning, &q.sql)),
+        json!(arctic_answer(
+            &format!("The question: {}\n{}", q.text, q.reasoning),
+            &q.sql
+        )),
     );
     Row::new(
         arctic_prompt(schema, &q.text, compact),

@@ -67,9 +67,22 @@ pub fn embedded_tokenizer(run_dir: &Path, rows: &[Row]) -> Result<Tokenizer> {
     }
     let mut texts: Vec<String> = Vec::with_capacity(rows.len() * 3);
     for row in rows {
-        texts.extend(row.prompt.iter().map(|m| m.content.clone()));
+        let constants: Vec<&str> = row
+            .extra_info()
+            .get("constants")
+            .and_then(|v| v.as_array())
+            .map(|values| values.iter().filter_map(|v| v.as_str()).collect())
+            .unwrap_or_default();
+        // Constants stay out of the merges, so a held-out value splits into the same kind
+        // of small pieces as a training value and copying one teaches copying the other.
+        let without_constants = |text: &str| {
+            constants
+                .iter()
+                .fold(text.to_string(), |t, c| t.replace(c, " "))
+        };
+        texts.extend(row.prompt.iter().map(|m| without_constants(&m.content)));
         if let Some(answer) = reference_answer(row) {
-            texts.push(answer.to_string());
+            texts.push(without_constants(answer));
         }
     }
     let tokenizer = train_bpe(&texts, EMBEDDED_VOCAB_SIZE, &QWEN3_SPECIAL_TOKENS)?;
