@@ -130,7 +130,7 @@ pub async fn list_all_checkpoints(
     for run in runs::list_runs(data_dir) {
         checkpoints.extend(runs::list_checkpoints(data_dir, &run.training_run_id)?);
     }
-    checkpoints.sort_by(|a, b| b.time.cmp(&a.time));
+    checkpoints.sort_by_key(|c| std::cmp::Reverse(c.time));
     let checkpoints = checkpoints
         .iter()
         .map(runs::CheckpointInfo::to_json)

@@ -139,14 +139,8 @@ fn exp_f32(x: f32) -> f32 {
     const ROUND: f32 = 12_582_912.0;
     const LN2_HI: f32 = 0.693_359_4;
     const LN2_LO: f32 = -2.121_944_4e-4;
-    // Comparisons written so NaN fails both and propagates through the arithmetic.
-    let clamped = if x > HIGHEST {
-        HIGHEST
-    } else if x < LOWEST {
-        LOWEST
-    } else {
-        x
-    };
+    // `clamp` passes NaN through, so it propagates through the arithmetic.
+    let clamped = x.clamp(LOWEST, HIGHEST);
     let shifted = clamped * std::f32::consts::LOG2_E + ROUND;
     let n = shifted - ROUND;
     let n_int = shifted.to_bits() as i32 - ROUND.to_bits() as i32;
@@ -156,7 +150,7 @@ fn exp_f32(x: f32) -> f32 {
     p = p * r + 8.333_452e-3;
     p = p * r + 4.166_579_6e-2;
     p = p * r + 1.666_666_5e-1;
-    p = p * r + 5.000_000_1e-1;
+    p = p * r + 0.5;
     let er = p * r * r + r + 1.0;
     // 2ⁿ in two factors, so n down to −150 (subnormal results) stays representable.
     let half = n_int >> 1;
