@@ -5,7 +5,6 @@
 use std::path::Path;
 
 use floe_env::dataset::Row;
-use floe_model::config::Architecture;
 use floe_model::tokenizer::{train_bpe, Tokenizer, QWEN3_SPECIAL_TOKENS};
 use floe_model::ModelConfig;
 
@@ -33,17 +32,13 @@ pub fn embedded_model(path: &str, tokenizer: &Tokenizer) -> Result<Option<ModelC
     if path == EMBEDDED_TINY {
         return Ok(Some(embedded_model_config(tokenizer)));
     }
-    let mut config = ModelConfig::preset(shape).map_err(|_| {
+    let config = ModelConfig::preset(shape).map_err(|_| {
         crate::error::Error::Data(format!(
             "model.path = {path:?} names no embedded model; use {EMBEDDED_TINY:?} or \
              \"embedded:<shape>\" with a shape of 0.6B, 1.7B, 4B or 8B"
         ))
     })?;
-    config.vocab_size = tokenizer.vocab_size();
-    config.max_position_embeddings = EMBEDDED_CONTEXT;
-    config.bos_token_id = None;
-    config.eos_token_ids = tokenizer.eos_token_ids.clone();
-    Ok(Some(config))
+    Ok(Some(over_tokenizer(config, tokenizer)))
 }
 
 /// Folder of a run directory holding the embedded model's tokenizer.
@@ -97,26 +92,21 @@ pub fn reference_answer(row: &Row) -> Option<&str> {
         .and_then(|v| v.as_str())
 }
 
-/// The tiny Qwen3 shape (hidden 128, 4 layers, 4 query and 2 key/value heads of 32, tied
-/// embeddings; about 1M parameters with a 1k vocabulary) over `tokenizer`'s ids.
+/// The tiny Qwen3 shape (`ModelConfig::preset("embedded")`: hidden 128, 4 layers, 4 query
+/// and 2 key/value heads of 32, tied embeddings; about 1M parameters with a 1k vocabulary)
+/// over `tokenizer`'s ids.
 pub fn embedded_model_config(tokenizer: &Tokenizer) -> ModelConfig {
-    ModelConfig {
-        architecture: Architecture::Qwen3,
-        vocab_size: tokenizer.vocab_size(),
-        hidden_size: 128,
-        intermediate_size: 384,
-        num_hidden_layers: 4,
-        num_attention_heads: 4,
-        num_key_value_heads: 2,
-        head_dim: 32,
-        rms_norm_eps: 1e-6,
-        rope_theta: 1e4,
-        rope_scaling: None,
-        max_position_embeddings: EMBEDDED_CONTEXT,
-        tie_word_embeddings: true,
-        attention_bias: false,
-        qk_norm: true,
-        bos_token_id: None,
-        eos_token_ids: tokenizer.eos_token_ids.clone(),
-    }
+    over_tokenizer(
+        ModelConfig::preset("embedded").expect("a built-in preset"),
+        tokenizer,
+    )
+}
+
+/// `config` with the vocabulary and special ids of `tokenizer` and the embedded context.
+fn over_tokenizer(mut config: ModelConfig, tokenizer: &Tokenizer) -> ModelConfig {
+    config.vocab_size = tokenizer.vocab_size();
+    config.max_position_embeddings = EMBEDDED_CONTEXT;
+    config.bos_token_id = None;
+    config.eos_token_ids = tokenizer.eos_token_ids.clone();
+    config
 }
