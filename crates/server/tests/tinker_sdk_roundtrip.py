@@ -24,9 +24,11 @@ def datum(tokens):
 
 def main():
     service = tinker.ServiceClient(base_url=os.environ["TINKER_BASE_URL"])
+    # A fixed seed: without one the server draws the adapters' A at random (as the SDK
+    # documents), and the trajectory below would differ run to run.
     training = service.create_lora_training_client(
-        base_model=os.environ["FLOE_BASE_MODEL"], rank=8
-    )
+        base_model=os.environ["FLOE_BASE_MODEL"], rank=8, seed=5
+    ).result()
     info = training.get_info()
     assert info.model_data.model_name == os.environ["FLOE_BASE_MODEL"], info
 
@@ -42,9 +44,9 @@ def main():
         # Sum semantics: the loss is minus the summed target log-probs.
         assert abs(loss + sum(sum(l) for l in logprobs)) < 1e-3 * positions, (loss, logprobs)
         losses.append(loss)
-        training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        training.optim_step(types.AdamParams(learning_rate=3e-3)).result()
     print("cross_entropy losses:", losses)
-    assert losses[-1] < losses[0], losses
+    assert all(b < a for a, b in zip(losses, losses[1:])), losses
 
     # forward scores without a gradient: the trained weights fit the batch better
     # than before the last step.
