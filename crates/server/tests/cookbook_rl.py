@@ -53,7 +53,10 @@ def warm_start() -> str:
     renderer = renderers.get_renderer(RENDERER, tokenizer=get_tokenizer(BASE_MODEL))
     service = tinker.ServiceClient()
     trainer = service.create_lora_training_client(
-        base_model=BASE_MODEL, rank=8, user_metadata={"renderer_name": RENDERER}
+        base_model=BASE_MODEL,
+        rank=8,
+        seed=0,
+        user_metadata={"renderer_name": RENDERER},
     )
     # Seeds far from the RL dataset's batch indices, so RL problems are unseen.
     rng = np.random.RandomState(10_000)
