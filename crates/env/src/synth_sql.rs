@@ -7,16 +7,18 @@
 //! skipped. Prompts use the same Arctic format as BIRD ([`crate::bird::arctic_prompt`]) over
 //! the compact one-line-per-table schema, so a whole prompt stays within a few hundred tokens.
 //!
-//! The train and test splits hold out values: every constant that appears in a question (a
-//! name, a category, a threshold) belongs to exactly one split, so test questions ask about
-//! things no training question mentions. Templates are drawn round-robin, so every kind of
-//! question appears in both splits in similar proportions.
+//! Two ways to hold questions out ([`Holdout`]): by value, where every constant that appears
+//! in a question (a name, a category, a threshold) belongs to exactly one split, so test
+//! questions ask about things no training question mentions; or by question, where test
+//! questions are combinations of template, table and values that no training question
+//! asks, over values training questions do mention. Templates are drawn round-robin, so
+//! every kind of question appears in both splits in similar proportions.
 //!
 //! Each row's `extra_info` carries `db_id`, `db_path`, `difficulty` (1–5), `template`, the
 //! question's `constants`, and `reference_answer`, a completion in the expected format (its
 //! reasoning restates the question, then the plan) that a supervised warm start can train on.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
@@ -42,8 +44,38 @@ pub struct SynthSqlOptions {
     pub test: usize,
     /// The one-line-per-table schema (default) instead of the annotated BIRD-train layout.
     pub compact: bool,
-    /// Fraction of each pool of constants held out for the test split.
+    /// What the test split holds out.
+    pub holdout: Holdout,
+    /// Fraction held out for the test split: of each pool of constants
+    /// ([`Holdout::Values`]) or of the distinct questions ([`Holdout::Questions`]).
     pub test_fraction: f64,
+}
+
+/// What separates the test split from the training split.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Holdout {
+    /// Every constant belongs to one split: test questions name values training never
+    /// shows, so answering them takes copying from the question.
+    #[default]
+    Values,
+    /// Test questions are unseen combinations of template, table and values; every value
+    /// they name also appears in some training question.
+    Questions,
+}
+
+impl std::str::FromStr for Holdout {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "values" => Ok(Self::Values),
+            "questions" => Ok(Self::Questions),
+            other => Err(format!(
+                "unknown holdout {other:?}; use \"values\" or \"questions\""
+            )),
+        }
+    }
 }
 
 impl Default for SynthSqlOptions {
@@ -53,6 +85,7 @@ impl Default for SynthSqlOptions {
             train: 2000,
             test: 200,
             compact: true,
+            holdout: Holdout::Values,
             test_fraction: 0.3,
         }
     }
@@ -135,17 +168,14 @@ pub fn generate(out_dir: &Path, options: &SynthSqlOptions) -> Result<SynthSql, S
         databases.push(path);
     }
 
-    let held_out = hold_out(&pools, options);
+    let splits = match options.holdout {
+        Holdout::Values => split_by_values(&candidates, &pools, options),
+        Holdout::Questions => split_by_questions(&candidates, options),
+    };
     let mut by_split: [BTreeMap<&'static str, Vec<Question>>; 2] = Default::default();
-    for question in candidates {
-        let splits: Vec<bool> = question.constants.iter().map(|c| held_out[c]).collect();
-        if splits.iter().all(|&t| t) {
-            by_split[1]
-                .entry(question.template)
-                .or_default()
-                .push(question);
-        } else if splits.iter().all(|&t| !t) {
-            by_split[0]
+    for (question, split) in candidates.into_iter().zip(splits) {
+        if let Some(split) = split {
+            by_split[split]
                 .entry(question.template)
                 .or_default()
                 .push(question);
@@ -271,6 +301,56 @@ fn round_robin(
         }
     }
     chosen
+}
+
+/// The split of each question (0 train, 1 test, `None` dropped) when values are held out:
+/// a question goes where all its constants are, and is dropped when they disagree.
+fn split_by_values(
+    candidates: &[Question],
+    pools: &[Vec<String>],
+    options: &SynthSqlOptions,
+) -> Vec<Option<usize>> {
+    let held_out = hold_out(pools, options);
+    candidates
+        .iter()
+        .map(|q| {
+            let test: Vec<bool> = q.constants.iter().map(|c| held_out[c]).collect();
+            if test.iter().all(|&t| t) {
+                Some(1)
+            } else if test.iter().all(|&t| !t) {
+                Some(0)
+            } else {
+                None
+            }
+        })
+        .collect()
+}
+
+/// The split of each question when questions are held out: a seeded `test_fraction` of
+/// them is drawn for the test split, and a drawn question naming a value no training
+/// question names goes back to training, so every test value has been seen.
+fn split_by_questions(candidates: &[Question], options: &SynthSqlOptions) -> Vec<Option<usize>> {
+    let mut order: Vec<usize> = (0..candidates.len()).collect();
+    SplitMix64::new(options.seed, 99).shuffle(&mut order);
+    let n_test = (candidates.len() as f64 * options.test_fraction).round() as usize;
+    let mut splits = vec![Some(0); candidates.len()];
+    for &i in &order[..n_test.min(order.len())] {
+        splits[i] = Some(1);
+    }
+    let mut seen: HashSet<&str> = candidates
+        .iter()
+        .zip(&splits)
+        .filter(|(_, s)| **s == Some(0))
+        .flat_map(|(q, _)| q.constants.iter().map(String::as_str))
+        .collect();
+    for &i in &order[..n_test.min(order.len())] {
+        let q = &candidates[i];
+        if !q.constants.iter().all(|c| seen.contains(c.as_str())) {
+            splits[i] = Some(0);
+            seen.extend(q.constants.iter().map(String::as_str));
+        }
+    }
+    splits
 }
 
 /// Marks each constant held out (`true`) or not. Pools are visited in a fixed order and each

@@ -6,7 +6,7 @@ use std::path::Path;
 
 use floe_env::dataset::{load_rows, Row};
 use floe_env::synth_math;
-use floe_env::synth_sql::{generate, write_synth_sql, SynthSqlOptions};
+use floe_env::synth_sql::{generate, write_synth_sql, Holdout, SynthSqlOptions};
 use rusqlite::Connection;
 
 fn options(seed: u64) -> SynthSqlOptions {
@@ -105,6 +105,43 @@ fn gold_sql_runs_and_test_values_are_held_out() {
     };
     assert_eq!(templates(&train), templates(&test));
     assert!(templates(&train).len() >= 10, "{:?}", templates(&train));
+}
+
+#[test]
+fn question_holdout_asks_unseen_questions_about_seen_values() {
+    let dir = tempfile::tempdir().unwrap();
+    let task = generate(
+        dir.path(),
+        &SynthSqlOptions {
+            holdout: Holdout::Questions,
+            ..options(3)
+        },
+    )
+    .unwrap();
+    let questions = |rows: &[Row]| -> HashSet<String> {
+        rows.iter()
+            .map(|r| r.extra_info()["question"].as_str().unwrap().to_string())
+            .collect()
+    };
+    let (train_questions, test_questions) = (questions(&task.train), questions(&task.test));
+    let asked_in_both: Vec<_> = train_questions.intersection(&test_questions).collect();
+    assert!(asked_in_both.is_empty(), "{asked_in_both:?}");
+    let unseen: Vec<_> = constants(&task.test)
+        .difference(&constants(&task.train))
+        .cloned()
+        .collect();
+    // The training rows are a sample of the training questions, so a test value may miss
+    // them; most must not.
+    assert!(
+        unseen.len() * 10 < constants(&task.test).len(),
+        "test values absent from training: {unseen:?}"
+    );
+    let (distinct_train, distinct_test) = task.distinct_questions;
+    assert!(
+        distinct_test * 4 > distinct_train,
+        "{:?}",
+        task.distinct_questions
+    );
 }
 
 #[test]

@@ -38,9 +38,13 @@ pub enum Command {
         /// Training rows.
         #[arg(long, default_value_t = 2000)]
         train: usize,
-        /// Test rows (their constants never appear in training questions).
+        /// Test rows.
         #[arg(long, default_value_t = 200)]
         test: usize,
+        /// What the test split holds out: `values` (no test constant appears in a training
+        /// question) or `questions` (unseen combinations of values training mentions).
+        #[arg(long, default_value = "values")]
+        holdout: synth_sql::Holdout,
         /// Annotated BIRD-style schema instead of the compact one-line-per-table schema.
         #[arg(long)]
         full_schema: bool,
@@ -112,12 +116,14 @@ pub fn run(command: Command) -> anyhow::Result<()> {
             seed,
             train,
             test,
+            holdout,
             full_schema,
         } => {
             let options = synth_sql::SynthSqlOptions {
                 seed,
                 train,
                 test,
+                holdout,
                 compact: !full_schema,
                 ..Default::default()
             };
