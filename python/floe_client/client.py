@@ -203,6 +203,10 @@ class Engine:
         """Freezes the current weights as the reference model (for KL)."""
         self._verb("freeze_reference")
 
+    def reset_optimizer(self):
+        """Starts a fresh optimizer (moments and step count cleared), weights kept."""
+        self._verb("reset_optimizer")
+
     def save_state(self):
         """Saves weights and optimizer state on the server; returns the state's id."""
         return self._verb("save_state")["state_id"]

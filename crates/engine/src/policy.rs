@@ -193,6 +193,14 @@ impl<B: Backend> Policy<B> {
         })
     }
 
+    /// Drops the AdamW moments and the step count, as a fresh optimizer would start: a new
+    /// phase of training (RL after a supervised warm start) keeps none of the previous
+    /// phase's gradient statistics.
+    pub fn reset_optimizer(&mut self) {
+        self.moments.clear();
+        self.step = 0;
+    }
+
     /// Writes the state into `dir` (created if needed): the weights as an f32 Hugging
     /// Face folder under `dir/model` (exact, so a resumed run continues bit for bit) —
     /// or, for a LoRA policy, the adapters as an f32 PEFT folder under `dir/adapter` —,

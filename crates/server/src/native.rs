@@ -101,6 +101,10 @@ pub fn router<S: Clone + Send + Sync + 'static>(app: AppRef) -> Router<S> {
             "/engines/{engine_id}/freeze_reference",
             post(freeze_reference),
         )
+        .route(
+            "/engines/{engine_id}/reset_optimizer",
+            post(reset_optimizer),
+        )
         .route("/engines/{engine_id}/save_state", post(save_state))
         .route("/engines/{engine_id}/load_state", post(load_state))
         .route("/engines/{engine_id}/export_hf", post(export_hf))
@@ -552,6 +556,22 @@ async fn freeze_reference(
             engine
                 .freeze_reference()
                 .map_err(|e| verb_failed("freeze_reference", e))
+        })
+        .await?;
+    Ok(Json(serde_json::json!({})))
+}
+
+/// `POST /engines/{id}/reset_optimizer`.
+async fn reset_optimizer(
+    State(native): State<NativeRef>,
+    UrlPath(engine_id): UrlPath<String>,
+) -> Result<Json<Value>, ApiError> {
+    let engine = native.engine(&engine_id)?;
+    native
+        .run(&engine.worker, |engine| {
+            engine
+                .reset_optimizer()
+                .map_err(|e| verb_failed("reset_optimizer", e))
         })
         .await?;
     Ok(Json(serde_json::json!({})))

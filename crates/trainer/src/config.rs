@@ -14,6 +14,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 use std::path::{Path, PathBuf};
 
+use floe_env::synth_sql::Holdout;
 use floe_rl::{AdvantageEstimator, LossReduction, RlError};
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
@@ -68,6 +69,9 @@ pub struct DataConfig {
     pub synthetic_train_size: usize,
     /// Prompts a `synthetic:<task>` validation source generates.
     pub synthetic_val_size: usize,
+    /// What `synthetic:sql`'s validation split holds out: `values` (every constant it
+    /// names is absent from training) or `questions` (unseen combinations of seen values).
+    pub synthetic_holdout: Holdout,
     /// Shuffle the training prompts each epoch (seeded by `trainer.seed`).
     pub shuffle: bool,
 }
@@ -81,6 +85,7 @@ impl Default for DataConfig {
             max_val_prompts: None,
             synthetic_train_size: 2000,
             synthetic_val_size: 200,
+            synthetic_holdout: Holdout::Values,
             shuffle: true,
         }
     }
@@ -523,6 +528,10 @@ pub struct SftConfig {
     pub num_warmup_steps: usize,
     /// Examples per optimiser step.
     pub batch_size: usize,
+    /// Warm-start on the reference answers of only the first this many training prompts:
+    /// a small labelled set, while GRPO learns from every training prompt through its
+    /// reward alone. Unset uses every reference answer.
+    pub max_examples: Option<usize>,
 }
 
 impl Default for SftConfig {
@@ -534,6 +543,7 @@ impl Default for SftConfig {
             scheduler: Scheduler::Constant,
             num_warmup_steps: 0,
             batch_size: 8,
+            max_examples: None,
         }
     }
 }

@@ -73,6 +73,7 @@ fn load_source(config: &Config, run_dir: &Path, source: &str, split: Split) -> R
                     seed,
                     train,
                     test: val,
+                    holdout: config.data.synthetic_holdout,
                     ..SynthSqlOptions::default()
                 },
             )?;

@@ -53,30 +53,32 @@ pub const EMBEDDED_VOCAB_SIZE: usize = 1024;
 pub const EMBEDDED_CONTEXT: usize = 2048;
 
 /// The tokenizer of an embedded run: the one saved in `<run_dir>/tokenizer/` when there is
-/// one (a resumed run must keep its ids), else one trained on the prompts and reference
-/// answers of `rows` and saved there.
-pub fn embedded_tokenizer(run_dir: &Path, rows: &[Row]) -> Result<Tokenizer> {
+/// one (a resumed run must keep its ids), else one trained on the prompts of `rows` and
+/// the reference answers of the first `labelled` (the warm start's examples) and saved
+/// there. The rows' `extra_info.constants` stay out of the merges, so every value splits
+/// into the same kind of small pieces and copying one teaches copying the others: with a
+/// value a single token, the model must learn to copy each value on its own, and held-out
+/// accuracy falls several-fold (`docs/benchmarks.md`).
+pub fn embedded_tokenizer(run_dir: &Path, rows: &[Row], labelled: usize) -> Result<Tokenizer> {
     let dir = run_dir.join(TOKENIZER_DIR);
     if dir.join("tokenizer.json").is_file() {
         return Ok(Tokenizer::from_dir(&dir)?);
     }
     let mut texts: Vec<String> = Vec::with_capacity(rows.len() * 3);
-    for row in rows {
+    for (index, row) in rows.iter().enumerate() {
         let constants: Vec<&str> = row
             .extra_info()
             .get("constants")
             .and_then(|v| v.as_array())
             .map(|values| values.iter().filter_map(|v| v.as_str()).collect())
             .unwrap_or_default();
-        // Constants stay out of the merges, so a held-out value splits into the same kind
-        // of small pieces as a training value and copying one teaches copying the other.
         let without_constants = |text: &str| {
             constants
                 .iter()
                 .fold(text.to_string(), |t, c| t.replace(c, " "))
         };
         texts.extend(row.prompt.iter().map(|m| without_constants(&m.content)));
-        if let Some(answer) = reference_answer(row) {
+        if let Some(answer) = reference_answer(row).filter(|_| index < labelled) {
             texts.push(without_constants(answer));
         }
     }

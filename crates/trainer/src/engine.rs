@@ -160,6 +160,8 @@ pub trait Engine {
     fn sync_sampler_weights(&mut self) -> Result<Duration, Self::Error>;
     /// Freezes a copy of the current weights as the reference model.
     fn freeze_reference(&mut self) -> Result<(), Self::Error>;
+    /// Starts a fresh optimizer: moments and step count cleared, weights kept.
+    fn reset_optimizer(&mut self) -> Result<(), Self::Error>;
     /// Writes weights and optimizer state into `dir` (atomically).
     fn save_state(&mut self, dir: &Path) -> Result<(), Self::Error>;
     /// Restores what [`Engine::save_state`] wrote.

@@ -629,6 +629,11 @@ impl<B: Backend> Engine for LocalEngine<B> {
         Ok(start.elapsed())
     }
 
+    fn reset_optimizer(&mut self) -> Result<()> {
+        self.policy.reset_optimizer();
+        Ok(())
+    }
+
     /// Copies the current weights (a LoRA policy's adapters folded in) as the reference.
     fn freeze_reference(&mut self) -> Result<()> {
         let model = self.policy.model();
@@ -798,6 +803,10 @@ impl Engine for AnyLocalEngine {
 
     fn freeze_reference(&mut self) -> Result<()> {
         dispatch!(self, e => e.freeze_reference())
+    }
+
+    fn reset_optimizer(&mut self) -> Result<()> {
+        dispatch!(self, e => e.reset_optimizer())
     }
 
     fn save_state(&mut self, dir: &Path) -> Result<()> {

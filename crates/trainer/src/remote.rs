@@ -406,6 +406,11 @@ impl Engine for RemoteEngine {
         Ok(())
     }
 
+    fn reset_optimizer(&mut self) -> std::result::Result<(), RemoteError> {
+        let _: serde_json::Value = self.verb("reset_optimizer", &serde_json::json!({}))?;
+        Ok(())
+    }
+
     fn save_state(&mut self, dir: &Path) -> std::result::Result<(), RemoteError> {
         let answer: SaveStateResponse = self.verb("save_state", &serde_json::json!({}))?;
         let record = RemoteState {

@@ -91,7 +91,8 @@ pub fn model_setup(
                 source,
             })?;
         }
-        let tokenizer = embedded_tokenizer(run_dir, train_rows)?;
+        let labelled = config.sft.max_examples.unwrap_or(train_rows.len());
+        let tokenizer = embedded_tokenizer(run_dir, train_rows, labelled)?;
         let model = embedded_model(path, &tokenizer)?.expect("an embedded path");
         config.validate_context_length(model.max_position_embeddings)?;
         let source = ModelSource::Random {
@@ -336,7 +337,11 @@ pub fn run_loop<E: Engine>(
         ]);
         log_metrics(&mut sink, &mut state, 0, &data_metrics)?;
         if config.sft.enabled {
-            let examples = sft_examples(&train_prompts, &tokenizer)?;
+            let labelled = config.sft.max_examples.unwrap_or(train_prompts.len());
+            let examples = sft_examples(
+                &train_prompts[..labelled.min(train_prompts.len())],
+                &tokenizer,
+            )?;
             run_sft(engine, config, &examples, &mut |epoch_metrics| {
                 if console {
                     println!(
@@ -348,6 +353,11 @@ pub fn run_loop<E: Engine>(
                 }
                 log_metrics(&mut sink, &mut state, 0, &epoch_metrics)
             })?;
+            // RL is a new phase: AdamW's second moments from the warm start's larger
+            // gradients would shrink its first steps.
+            engine
+                .reset_optimizer()
+                .map_err(verb_error("reset_optimizer"))?;
         }
         if needs_reference {
             engine

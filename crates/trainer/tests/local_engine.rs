@@ -234,6 +234,37 @@ fn first_update_has_zero_ppo_kl_and_clipfrac() {
 }
 
 #[test]
+fn a_policy_step_raises_advantaged_responses_and_lowers_the_others() {
+    let groups = sequence_groups();
+    let mut engine = engine(4096, 5);
+    let before = engine.forward(&groups, Weights::Policy, 1.0).unwrap();
+    let mut train = train_groups(&groups, &before);
+    // Within each group: the first response +1, the others -1/2 (zero mean, as GRPO's).
+    for group in &mut train {
+        for (r, response) in group.responses.iter_mut().enumerate() {
+            response.loss_mask.fill(1.0);
+            response.advantages.fill(if r == 0 { 1.0 } else { -0.5 });
+        }
+    }
+    engine
+        .forward_backward(&train, &policy_loss(), 1.0)
+        .unwrap();
+    engine.optim_step(&OPTIM).unwrap();
+    let after = engine.forward(&groups, Weights::Policy, 1.0).unwrap();
+    let sum = |o: &TokenOutputs| o.logprobs.iter().sum::<f64>();
+    for (g, (b, a)) in before.iter().zip(&after).enumerate() {
+        for (r, (b, a)) in b.iter().zip(a).enumerate() {
+            let change = sum(a) - sum(b);
+            if r == 0 {
+                assert!(change > 0.0, "group {g} response {r}: {change}");
+            } else {
+                assert!(change < 0.0, "group {g} response {r}: {change}");
+            }
+        }
+    }
+}
+
+#[test]
 fn sft_steps_lower_the_cross_entropy() {
     let groups = sequence_groups();
     let mut engine = engine(4096, 4);
