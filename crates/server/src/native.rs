@@ -550,15 +550,10 @@ async fn freeze_reference(
     State(native): State<NativeRef>,
     UrlPath(engine_id): UrlPath<String>,
 ) -> Result<Json<Value>, ApiError> {
-    let engine = native.engine(&engine_id)?;
-    native
-        .run(&engine.worker, |engine| {
-            engine
-                .freeze_reference()
-                .map_err(|e| verb_failed("freeze_reference", e))
-        })
-        .await?;
-    Ok(Json(serde_json::json!({})))
+    unit_verb(&native, &engine_id, "freeze_reference", |engine| {
+        engine.freeze_reference()
+    })
+    .await
 }
 
 /// `POST /engines/{id}/reset_optimizer`.
@@ -566,12 +561,23 @@ async fn reset_optimizer(
     State(native): State<NativeRef>,
     UrlPath(engine_id): UrlPath<String>,
 ) -> Result<Json<Value>, ApiError> {
-    let engine = native.engine(&engine_id)?;
+    unit_verb(&native, &engine_id, "reset_optimizer", |engine| {
+        engine.reset_optimizer()
+    })
+    .await
+}
+
+/// Runs a verb that takes no input and answers `{}`.
+async fn unit_verb(
+    native: &NativeRef,
+    engine_id: &str,
+    name: &'static str,
+    verb: fn(&mut AnyLocalEngine) -> Result<(), EngineError>,
+) -> Result<Json<Value>, ApiError> {
+    let engine = native.engine(engine_id)?;
     native
-        .run(&engine.worker, |engine| {
-            engine
-                .reset_optimizer()
-                .map_err(|e| verb_failed("reset_optimizer", e))
+        .run(&engine.worker, move |engine| {
+            verb(engine).map_err(|e| verb_failed(name, e))
         })
         .await?;
     Ok(Json(serde_json::json!({})))

@@ -91,7 +91,11 @@ fn overrides_apply_in_order_and_parse_toml_values() {
     assert_eq!(config.engine.device, Device::Cuda(1));
     assert_eq!(config.trainer.logger, vec![Logger::Tensorboard]);
     // Keys the overrides did not touch keep the recipe's values.
-    assert_eq!(config.trainer.policy_mini_batch_size, 4);
+    let recipe = Config::load(None, &[]).unwrap();
+    assert_eq!(
+        config.trainer.policy_mini_batch_size,
+        recipe.trainer.policy_mini_batch_size
+    );
 }
 
 #[test]
@@ -247,7 +251,11 @@ fn batch_sizes_must_divide() {
     );
     assert!(problems[0].contains("2 or 5"), "{problems:?}");
 
-    let problems = invalid_messages(&["trainer.micro_train_batch_size_per_gpu=5"]);
+    let problems = invalid_messages(&[
+        "trainer.policy_mini_batch_size=4",
+        "generator.n_samples_per_prompt=4",
+        "trainer.micro_train_batch_size_per_gpu=5",
+    ]);
     assert_eq!(problems.len(), 1, "{problems:?}");
     assert!(
         problems[0].contains("(4 × 4 = 16 sequences)"),
