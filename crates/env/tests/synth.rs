@@ -120,7 +120,11 @@ fn question_holdout_asks_unseen_questions_about_seen_values() {
         },
     )
     .unwrap();
-    assert!(task.distinct_questions.0 <= 4000, "{:?}", task.distinct_questions);
+    assert!(
+        task.distinct_questions.0 <= 4000,
+        "{:?}",
+        task.distinct_questions
+    );
     let questions = |rows: &[Row]| -> HashSet<String> {
         rows.iter()
             .map(|r| r.extra_info()["question"].as_str().unwrap().to_string())
@@ -133,7 +137,10 @@ fn question_holdout_asks_unseen_questions_about_seen_values() {
         .difference(&constants(&task.train))
         .cloned()
         .collect();
-    assert!(unseen.is_empty(), "test values no training question names: {unseen:?}");
+    assert!(
+        unseen.is_empty(),
+        "test values no training question names: {unseen:?}"
+    );
     let (distinct_train, distinct_test) = task.distinct_questions;
     assert!(
         distinct_test * 4 > distinct_train,

@@ -33,7 +33,8 @@ fn tinker_sdk_trains_and_samples() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
         out.status.success(),
-        "SDK script failed\nstdout:\n{stdout}\nstderr:\n{stderr}"
+        "SDK script failed ({})\nstdout:\n{stdout}\nstderr:\n{stderr}",
+        out.status
     );
     println!("{stdout}");
     assert!(stdout.contains("SDK round trip OK"), "{stdout}");
@@ -67,7 +68,8 @@ fn tinker_sdk_trains_lora_adapters() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
         out.status.success(),
-        "SDK LoRA script failed\nstdout:\n{stdout}\nstderr:\n{stderr}"
+        "SDK LoRA script failed ({})\nstdout:\n{stdout}\nstderr:\n{stderr}",
+        out.status
     );
     println!("{stdout}");
     assert!(stdout.contains("SDK LoRA OK"), "{stdout}");
