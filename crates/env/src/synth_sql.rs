@@ -64,17 +64,14 @@ pub enum Holdout {
     Questions,
 }
 
+/// Parses the names serde uses (`values`, `questions`): the CLI flag and the config key
+/// accept the same ones.
 impl std::str::FromStr for Holdout {
-    type Err = String;
+    type Err = serde::de::value::Error;
 
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "values" => Ok(Self::Values),
-            "questions" => Ok(Self::Questions),
-            other => Err(format!(
-                "unknown holdout {other:?}; use \"values\" or \"questions\""
-            )),
-        }
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        use serde::de::IntoDeserializer;
+        serde::Deserialize::deserialize(s.into_deserializer())
     }
 }
 
@@ -333,8 +330,9 @@ fn split_by_questions(candidates: &[Question], options: &SynthSqlOptions) -> Vec
     let mut order: Vec<usize> = (0..candidates.len()).collect();
     SplitMix64::new(options.seed, 99).shuffle(&mut order);
     let n_test = (candidates.len() as f64 * options.test_fraction).round() as usize;
+    let drawn = &order[..n_test.min(order.len())];
     let mut splits = vec![Some(0); candidates.len()];
-    for &i in &order[..n_test.min(order.len())] {
+    for &i in drawn {
         splits[i] = Some(1);
     }
     let mut seen: HashSet<&str> = candidates
@@ -343,7 +341,7 @@ fn split_by_questions(candidates: &[Question], options: &SynthSqlOptions) -> Vec
         .filter(|(_, s)| **s == Some(0))
         .flat_map(|(q, _)| q.constants.iter().map(String::as_str))
         .collect();
-    for &i in &order[..n_test.min(order.len())] {
+    for &i in drawn {
         let q = &candidates[i];
         if !q.constants.iter().all(|c| seen.contains(c.as_str())) {
             splits[i] = Some(0);

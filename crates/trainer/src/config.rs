@@ -534,6 +534,14 @@ pub struct SftConfig {
     pub max_examples: Option<usize>,
 }
 
+impl SftConfig {
+    /// How many of `available` training prompts the warm start learns from: the first
+    /// `max_examples`, or all of them.
+    pub fn num_examples(&self, available: usize) -> usize {
+        self.max_examples.unwrap_or(available).min(available)
+    }
+}
+
 impl Default for SftConfig {
     fn default() -> Self {
         Self {

@@ -91,7 +91,7 @@ pub fn model_setup(
                 source,
             })?;
         }
-        let labelled = config.sft.max_examples.unwrap_or(train_rows.len());
+        let labelled = config.sft.num_examples(train_rows.len());
         let tokenizer = embedded_tokenizer(run_dir, train_rows, labelled)?;
         let model = embedded_model(path, &tokenizer)?.expect("an embedded path");
         config.validate_context_length(model.max_position_embeddings)?;
@@ -337,11 +337,8 @@ pub fn run_loop<E: Engine>(
         ]);
         log_metrics(&mut sink, &mut state, 0, &data_metrics)?;
         if config.sft.enabled {
-            let labelled = config.sft.max_examples.unwrap_or(train_prompts.len());
-            let examples = sft_examples(
-                &train_prompts[..labelled.min(train_prompts.len())],
-                &tokenizer,
-            )?;
+            let labelled = config.sft.num_examples(train_prompts.len());
+            let examples = sft_examples(&train_prompts[..labelled], &tokenizer)?;
             run_sft(engine, config, &examples, &mut |epoch_metrics| {
                 if console {
                     println!(
