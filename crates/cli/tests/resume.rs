@@ -95,9 +95,34 @@ fn killed_run_resumes_to_the_same_metrics() {
     assert!(floe_train(&killed).status().unwrap().success());
     let expected = metrics_without_timing(&whole);
     let resumed = metrics_without_timing(&killed);
+    let steps = |records: &[(u64, _)]| records.iter().map(|(s, _)| *s).collect::<Vec<_>>();
     assert_eq!(
-        resumed, expected,
-        "resumed run (killed after step {kill_after}) differs from the uninterrupted run"
+        steps(&resumed),
+        steps(&expected),
+        "resumed run (killed after step {kill_after}) logged other lines"
+    );
+    let differing: Vec<String> = resumed
+        .iter()
+        .zip(&expected)
+        .flat_map(|((step, got), (_, want))| {
+            let keys: std::collections::BTreeSet<&String> = got.keys().chain(want.keys()).collect();
+            keys.into_iter()
+                .filter(|key| got.get(*key) != want.get(*key))
+                .map(|key| {
+                    format!(
+                        "step {step} {key}: {:?} vs {:?}",
+                        got.get(key),
+                        want.get(key)
+                    )
+                })
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    assert!(
+        differing.is_empty(),
+        "resumed run (killed after step {kill_after}) differs from the uninterrupted run \
+         (resumed vs uninterrupted):\n{}",
+        differing.join("\n")
     );
     assert!(killed.join("report.html").is_file());
 }

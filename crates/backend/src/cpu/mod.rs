@@ -466,10 +466,13 @@ impl<T: CpuFloat> Backend for CpuBackend<T> {
     }
 
     fn sum_squares(&self, x: &CpuBuf<T>) -> Result<f64> {
-        Ok(floats("sum_squares", "x", x)?
-            .par_iter()
-            .map(|&x| x.to_f64() * x.to_f64())
-            .sum())
+        // Fixed chunks summed in order: rayon's own `sum` splits by work stealing, so its
+        // rounding (and a run's grad norms, hence its weights) would vary between runs.
+        let partial: Vec<f64> = floats("sum_squares", "x", x)?
+            .par_chunks(ELEMENTWISE_CHUNK)
+            .map(|chunk| chunk.iter().map(|&x| x.to_f64() * x.to_f64()).sum())
+            .collect();
+        Ok(partial.iter().sum())
     }
 
     fn gather_rows(
