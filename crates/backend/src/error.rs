@@ -41,5 +41,12 @@ pub enum Error {
     Cuda(String),
 }
 
+impl Error {
+    /// Whether the device ran out of memory (the caller may retry with smaller batches).
+    pub fn is_out_of_memory(&self) -> bool {
+        matches!(self, Error::OutOfMemory { .. })
+    }
+}
+
 /// Result of a backend op.
 pub type Result<T> = std::result::Result<T, Error>;

@@ -36,5 +36,38 @@ pub enum Error {
     },
 }
 
+impl Error {
+    /// Whether the device ran out of memory, in the backend or under the model.
+    pub fn is_out_of_memory(&self) -> bool {
+        match self {
+            Error::Backend(e) | Error::Model(floe_model::transformer::ModelError::Backend(e)) => {
+                e.is_out_of_memory()
+            }
+            _ => false,
+        }
+    }
+}
+
 /// Result of engine operations.
 pub type Result<T> = std::result::Result<T, Error>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn out_of_memory_is_seen_under_the_model() {
+        let oom = || floe_backend::Error::OutOfMemory {
+            what: "a buffer".into(),
+            requested: 2,
+            free: 1,
+        };
+        assert!(Error::Backend(oom()).is_out_of_memory());
+        assert!(
+            Error::Model(floe_model::transformer::ModelError::Backend(oom())).is_out_of_memory()
+        );
+        assert!(
+            !Error::Backend(floe_backend::Error::Cuda("launch failed".into())).is_out_of_memory()
+        );
+    }
+}

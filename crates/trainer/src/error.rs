@@ -17,6 +17,23 @@ pub enum Error {
     /// The engine (device, model, weights, sampler, saved state) failed.
     #[error(transparent)]
     Engine(#[from] floe_engine::Error),
+    /// Training ran out of device memory; the message says which settings free some.
+    #[error(
+        "{source}; training micro-batches hold up to {tokens} tokens (recompute {recompute}) \
+         beside a sampler KV cache of {kv_cache_gib:.1} GiB: lower \
+         trainer.micro_train_batch_size_per_gpu or set trainer.max_tokens_per_microbatch, set \
+         engine.recompute = true, or lower engine.memory_fraction"
+    )]
+    TrainingOutOfMemory {
+        /// The device's refusal.
+        source: Box<floe_engine::Error>,
+        /// The micro-batch token budget.
+        tokens: usize,
+        /// Whether activations were recomputed.
+        recompute: bool,
+        /// The KV cache's size.
+        kv_cache_gib: f64,
+    },
     /// A batch could not be packed into micro-batches.
     #[error("packing: {0}")]
     Packing(#[from] floe_engine::PackingError),

@@ -600,7 +600,7 @@ impl<B: Backend> Engine for LocalEngine<B> {
                 self.check_tokens(&format!("group {g} response {r}"), &response.tokens)?;
             }
         }
-        match loss {
+        let out = match loss {
             Loss::Policy(config) => self.forward_backward_policy(groups, config, logit_scale),
             Loss::CrossEntropy => self.forward_backward_cross_entropy(groups, logit_scale),
             Loss::Tinker {
@@ -614,7 +614,22 @@ impl<B: Backend> Engine for LocalEngine<B> {
                 };
                 self.forward_backward_tinker(groups, *loss, &config, logit_scale)
             }
-        }
+        };
+        out.map_err(|err| match err {
+            Error::Engine(source) if source.is_out_of_memory() => Error::TrainingOutOfMemory {
+                source: Box::new(source),
+                tokens: self.options.max_tokens_per_microbatch,
+                recompute: self.options.recompute,
+                kv_cache_gib: (self.sampler_config.num_blocks
+                    * self
+                        .policy
+                        .model()
+                        .kv_cache_bytes_per_block(self.sampler_config.block_size))
+                    as f64
+                    / f64::from(1 << 30),
+            },
+            err => err,
+        })
     }
 
     fn optim_step(&mut self, params: &OptimParams) -> Result<StepOutcome> {

@@ -381,12 +381,27 @@ impl CudaBackend {
                 free,
             });
         }
+        // The free-memory check above misses what the stream's pool holds or fragments;
+        // the driver's own refusal is reported the same way.
+        let out_of_memory = |e: cudarc::driver::DriverError| {
+            if e.0 == cudarc::driver::sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY {
+                Error::OutOfMemory {
+                    what: format!("a {kind:?} buffer of {len} elements"),
+                    requested: bytes,
+                    free,
+                }
+            } else {
+                e.into()
+            }
+        };
         // SAFETY: every caller writes the buffer before it is read (or zeroes it).
         let storage = unsafe {
             match kind {
-                BufKind::Compute => Storage::Bf16(self.stream.alloc::<u16>(n)?),
-                BufKind::Full => Storage::F32(self.stream.alloc::<f32>(n)?),
-                BufKind::Index => Storage::U32(self.stream.alloc::<u32>(n)?),
+                BufKind::Compute => {
+                    Storage::Bf16(self.stream.alloc::<u16>(n).map_err(out_of_memory)?)
+                }
+                BufKind::Full => Storage::F32(self.stream.alloc::<f32>(n).map_err(out_of_memory)?),
+                BufKind::Index => Storage::U32(self.stream.alloc::<u32>(n).map_err(out_of_memory)?),
             }
         };
         Ok(CudaBuf { storage, len, kind })
