@@ -532,6 +532,10 @@ pub struct SftConfig {
     /// a small labelled set, while GRPO learns from every training prompt through its
     /// reward alone. Unset uses every reference answer.
     pub max_examples: Option<usize>,
+    /// Whether GRPO also draws the prompts whose reference answers the warm start learned.
+    /// `false` leaves them out, so RL learns only from questions it was never shown an
+    /// answer to, like the held-out ones.
+    pub rl_on_examples: bool,
 }
 
 impl SftConfig {
@@ -552,6 +556,7 @@ impl Default for SftConfig {
             num_warmup_steps: 0,
             batch_size: 8,
             max_examples: None,
+            rl_on_examples: true,
         }
     }
 }

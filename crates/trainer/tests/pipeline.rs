@@ -90,3 +90,32 @@ fn embedded_pipeline_writes_metrics_tensorboard_report_and_checkpoints() {
     assert_eq!(state.global_step, 2);
     assert_eq!(state.optimizer_steps, 4, "2 steps × 2 mini-batches");
 }
+
+#[test]
+fn rl_can_leave_out_the_warm_starts_examples() {
+    let dir = tempfile::tempdir().unwrap();
+    let run_dir = dir.path().join("run");
+    let mut overrides = tiny_overrides(&run_dir);
+    overrides.extend([
+        "trainer.max_training_steps=1".to_string(),
+        "trainer.eval_before_train=false".into(),
+        "sft.max_examples=8".into(),
+        "sft.rl_on_examples=false".into(),
+    ]);
+    let config = Config::load(None, &overrides).unwrap();
+    train(&config).unwrap();
+
+    let records = read_metrics(&run_dir.join("metrics.jsonl")).unwrap();
+    let num_train_prompts = records
+        .iter()
+        .find_map(|r| r.metrics.get("data/num_train_prompts"))
+        .copied();
+    assert_eq!(
+        num_train_prompts,
+        Some(24.0),
+        "32 prompts less the 8 SFT examples"
+    );
+    let checkpoints = run_dir.join(CHECKPOINTS_DIR);
+    let state = load_trainer_state(&checkpoints.join("global_step_1")).unwrap();
+    assert_eq!(state.data_cursor.len, 24);
+}
