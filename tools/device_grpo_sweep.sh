@@ -2,7 +2,8 @@
 # GRPO on the embedded task at batch sizes a laptop cannot afford, several runs side by
 # side on one GPU, plus a 0.6B-shape GRPO run with its step timing. Prepared like
 # device_bench.sh (floe built with `--features cuda`, recipes/embedded.toml copied beside).
-# Each sweep item is `NAME OVERRIDES...`; metrics and logs come back in $OUT/sweep.tgz.
+# Each line of $SWEEP (default sweep.txt) is `NAME OVERRIDES...`; metrics and logs come back
+# in $OUT/sweep.tgz. NO_G06=1 skips the 0.6B run. Example: `NO_G06=1 bash device_grpo_sweep.sh`.
 cd "$(dirname "$0")"
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64 RUST_LOG=warn
 OUT=${OUT:-.}
@@ -14,7 +15,7 @@ sweep() {  # sweep NAME OVERRIDES...
     > runs/$name.log 2>&1
   echo "$name rc=$?" >> runs/status
 }
-timeout 150 ./floe train embedded.toml engine.device=cuda:0 engine.recompute=true \
+[ -n "$NO_G06" ] || timeout 150 ./floe train embedded.toml engine.device=cuda:0 engine.recompute=true \
   model.path=embedded:0.6B sft.enabled=false trainer.run_dir=runs/g06 trainer.logger=[] \
   trainer.max_training_steps=4 trainer.eval_before_train=false trainer.eval_interval=-1 \
   trainer.train_batch_size=32 trainer.policy_mini_batch_size=32 \
