@@ -445,6 +445,7 @@ pub fn run_loop<E: Engine>(
             .flatten()
             .flat_map(|o| o.logprobs.clone())
             .collect();
+        metrics.extend(rollout_train_logprob_diff(&trajs, &old_logprobs_t));
         let ref_logprobs_t: Option<Vec<f64>> = ref_g.as_ref().map(|r| {
             r.iter()
                 .flatten()
@@ -633,6 +634,42 @@ pub fn run_loop<E: Engine>(
         wall_seconds: inputs.started.elapsed().as_secs_f64(),
         report,
     })
+}
+
+/// How far the sampler's log-probs of the response tokens are from the trainer's under the
+/// same weights (`policy/rollout_train_logprobs_abs_diff_{mean,max}` over loss-masked
+/// tokens): near 0 unless the two paths disagree. Empty when some trajectory has none.
+fn rollout_train_logprob_diff(trajs: &[Trajectory], train_t: &[f64]) -> BTreeMap<String, f64> {
+    if trajs
+        .iter()
+        .any(|tr| tr.rollout_logprobs.len() != tr.response.len())
+    {
+        return BTreeMap::new();
+    }
+    let rollout_t = trajs.iter().flat_map(|tr| &tr.rollout_logprobs);
+    let mask_t = trajs.iter().flat_map(|tr| &tr.loss_mask);
+    let (mut sum, mut max, mut count) = (0.0_f64, 0.0_f64, 0usize);
+    for ((rollout, train), mask) in rollout_t.zip(train_t).zip(mask_t) {
+        if *mask > 0.0 {
+            let diff = (rollout - train).abs();
+            sum += diff;
+            max = max.max(diff);
+            count += 1;
+        }
+    }
+    if count == 0 {
+        return BTreeMap::new();
+    }
+    BTreeMap::from([
+        (
+            "policy/rollout_train_logprobs_abs_diff_mean".to_string(),
+            sum / count as f64,
+        ),
+        (
+            "policy/rollout_train_logprobs_abs_diff_max".to_string(),
+            max,
+        ),
+    ])
 }
 
 /// Logs `metrics` for `step` and remembers their latest values in the trainer state.

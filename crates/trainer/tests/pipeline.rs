@@ -65,8 +65,22 @@ fn embedded_pipeline_writes_metrics_tensorboard_report_and_checkpoints() {
             "timing/sync",
             "timing/step",
             "eval/synth_sql/avg_score",
+            "policy/rollout_train_logprobs_abs_diff_max",
         ] {
             assert!(has(step, name), "step {step} lacks {name}");
+        }
+    }
+    // The sampler and the trainer score the same tokens under the same weights.
+    for record in &records {
+        if let Some(diff) = record
+            .metrics
+            .get("policy/rollout_train_logprobs_abs_diff_max")
+        {
+            assert!(
+                *diff < 1e-3,
+                "step {}: sampler and trainer log-probs differ by {diff}",
+                record.step
+            );
         }
     }
 
