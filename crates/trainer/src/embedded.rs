@@ -13,9 +13,10 @@ use crate::error::Result;
 /// `model.path` of the embedded tiny model.
 pub const EMBEDDED_TINY: &str = "embedded:tiny";
 
-/// Prefix of every embedded `model.path`: `embedded:tiny`, or `embedded:<shape>` with a
-/// Qwen3 shape of [`ModelConfig::preset`] (`0.6B`, `1.7B`, ...) over the embedded tokenizer,
-/// randomly initialised: the whole pipeline at a real model's size with no download.
+/// Prefix of every embedded `model.path`: `embedded:tiny`, `embedded:small` (4 layers of
+/// 256, twice as wide), or `embedded:<shape>` with a Qwen3 shape of [`ModelConfig::preset`]
+/// (`0.6B`, `1.7B`, ...) over the embedded tokenizer, randomly initialised: the whole
+/// pipeline at a real model's size with no download.
 pub const EMBEDDED_PREFIX: &str = "embedded:";
 
 /// Whether `path` names an embedded model (its tokenizer lives in the run directory).
@@ -32,10 +33,12 @@ pub fn embedded_model(path: &str, tokenizer: &Tokenizer) -> Result<Option<ModelC
     if path == EMBEDDED_TINY {
         return Ok(Some(embedded_model_config(tokenizer)));
     }
-    let config = ModelConfig::preset(shape).map_err(|_| {
+    // `small` is the `tiny` preset's shape (4 layers of 256), the name `tiny` being taken.
+    let preset = if shape == "small" { "tiny" } else { shape };
+    let config = ModelConfig::preset(preset).map_err(|_| {
         crate::error::Error::Data(format!(
             "model.path = {path:?} names no embedded model; use {EMBEDDED_TINY:?} or \
-             \"embedded:<shape>\" with a shape of 0.6B, 1.7B, 4B or 8B"
+             \"embedded:<shape>\" with a shape of small, 0.6B, 1.7B, 4B or 8B"
         ))
     })?;
     Ok(Some(over_tokenizer(config, tokenizer)))
@@ -111,4 +114,29 @@ fn over_tokenizer(mut config: ModelConfig, tokenizer: &Tokenizer) -> ModelConfig
     config.bos_token_id = None;
     config.eos_token_ids = tokenizer.eos_token_ids.clone();
     config
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn embedded_shapes_sit_over_the_tokenizer() {
+        let texts = vec!["SELECT name FROM authors WHERE country = 'Chile'".to_string(); 4];
+        let tokenizer = train_bpe(&texts, 300, &QWEN3_SPECIAL_TOKENS).unwrap();
+        let tiny = embedded_model(EMBEDDED_TINY, &tokenizer).unwrap().unwrap();
+        let small = embedded_model("embedded:small", &tokenizer)
+            .unwrap()
+            .unwrap();
+        assert_eq!((tiny.hidden_size, small.hidden_size), (128, 256));
+        assert_eq!(small.vocab_size, tokenizer.vocab_size());
+        assert_eq!(small.max_position_embeddings, EMBEDDED_CONTEXT);
+        assert!(embedded_model("/models/qwen", &tokenizer)
+            .unwrap()
+            .is_none());
+        let err = embedded_model("embedded:huge", &tokenizer)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("small, 0.6B"), "{err}");
+    }
 }
