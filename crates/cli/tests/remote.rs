@@ -4,11 +4,10 @@
 
 mod support;
 
-use std::collections::BTreeMap;
 use std::path::Path;
 use std::process::{Command, Stdio};
 
-use support::Server;
+use support::{assert_same_metrics, metrics_without_timing, Server};
 
 const API_KEY: &str = "tml-remote-test";
 
@@ -41,24 +40,6 @@ fn floe_train(run_dir: &Path) -> Command {
     command
 }
 
-/// `(step, metrics without timing/*)` per line of metrics.jsonl.
-fn metrics_without_timing(run_dir: &Path) -> Vec<(u64, BTreeMap<String, Option<f64>>)> {
-    let text = std::fs::read_to_string(run_dir.join("metrics.jsonl")).unwrap();
-    text.lines()
-        .map(|line| {
-            let record: serde_json::Value = serde_json::from_str(line).unwrap();
-            let metrics = record["metrics"]
-                .as_object()
-                .unwrap()
-                .iter()
-                .filter(|(name, _)| !name.starts_with("timing/"))
-                .map(|(name, value)| (name.clone(), value.as_f64()))
-                .collect();
-            (record["step"].as_u64().unwrap(), metrics)
-        })
-        .collect()
-}
-
 #[test]
 fn remote_run_logs_the_local_runs_metrics() {
     let dir = tempfile::tempdir().unwrap();
@@ -83,19 +64,7 @@ fn remote_run_logs_the_local_runs_metrics() {
             "no {prefix}* metric in the local run: {logged:?}"
         );
     }
-    assert_eq!(local_metrics.len(), remote_metrics.len(), "lines logged");
-    for ((step, l), (remote_step, r)) in local_metrics.iter().zip(&remote_metrics) {
-        assert_eq!(step, remote_step);
-        for (name, value) in l {
-            assert_eq!(
-                Some(value),
-                r.get(name),
-                "step {step}: {name} is {value:?} locally, {:?} remotely",
-                r.get(name)
-            );
-        }
-        assert_eq!(l.len(), r.len(), "step {step}: metric names differ");
-    }
+    assert_same_metrics(&remote_metrics, &local_metrics, "remote run vs local run");
     // The checkpoint names the state the server keeps.
     let record = remote.join("checkpoints/global_step_2/engine/remote_state.json");
     let record: serde_json::Value =

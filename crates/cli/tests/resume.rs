@@ -1,10 +1,13 @@
 //! `floe train` killed with SIGKILL after its first checkpoint and started again resumes
 //! exactly: its metrics.jsonl equals that of an uninterrupted run (timing excluded).
 
-use std::collections::BTreeMap;
+mod support;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use support::{assert_same_metrics, metrics_without_timing};
 
 const STEPS: u64 = 6;
 
@@ -36,24 +39,6 @@ fn floe_train(run_dir: &Path) -> Command {
         .stdout(Stdio::null())
         .stderr(Stdio::inherit());
     command
-}
-
-/// `(step, metrics without timing/*)` per line of metrics.jsonl.
-fn metrics_without_timing(run_dir: &Path) -> Vec<(u64, BTreeMap<String, Option<f64>>)> {
-    let text = std::fs::read_to_string(run_dir.join("metrics.jsonl")).unwrap();
-    text.lines()
-        .map(|line| {
-            let record: serde_json::Value = serde_json::from_str(line).unwrap();
-            let metrics = record["metrics"]
-                .as_object()
-                .unwrap()
-                .iter()
-                .filter(|(name, _)| !name.starts_with("timing/"))
-                .map(|(name, value)| (name.clone(), value.as_f64()))
-                .collect();
-            (record["step"].as_u64().unwrap(), metrics)
-        })
-        .collect()
 }
 
 /// Steps with training metrics logged so far.
@@ -93,36 +78,10 @@ fn killed_run_resumes_to_the_same_metrics() {
     assert!(killed.join("checkpoints/latest").is_file());
 
     assert!(floe_train(&killed).status().unwrap().success());
-    let expected = metrics_without_timing(&whole);
-    let resumed = metrics_without_timing(&killed);
-    let steps = |records: &[(u64, _)]| records.iter().map(|(s, _)| *s).collect::<Vec<_>>();
-    assert_eq!(
-        steps(&resumed),
-        steps(&expected),
-        "resumed run (killed after step {kill_after}) logged other lines"
-    );
-    let differing: Vec<String> = resumed
-        .iter()
-        .zip(&expected)
-        .flat_map(|((step, got), (_, want))| {
-            let keys: std::collections::BTreeSet<&String> = got.keys().chain(want.keys()).collect();
-            keys.into_iter()
-                .filter(|key| got.get(*key) != want.get(*key))
-                .map(|key| {
-                    format!(
-                        "step {step} {key}: {:?} vs {:?}",
-                        got.get(key),
-                        want.get(key)
-                    )
-                })
-                .collect::<Vec<_>>()
-        })
-        .collect();
-    assert!(
-        differing.is_empty(),
-        "resumed run (killed after step {kill_after}) differs from the uninterrupted run \
-         (resumed vs uninterrupted):\n{}",
-        differing.join("\n")
+    assert_same_metrics(
+        &metrics_without_timing(&killed),
+        &metrics_without_timing(&whole),
+        &format!("resumed run (killed after step {kill_after}) vs the uninterrupted run"),
     );
     assert!(killed.join("report.html").is_file());
 }

@@ -1,5 +1,9 @@
-//! `floe serve` on a free loopback port for the duration of a test.
+//! Shared by the CLI tests: `floe serve` on a free loopback port for the duration of a
+//! test, and a run's metrics compared line by line.
+// Each test binary compiles this module and uses only part of it.
+#![allow(dead_code)]
 
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
@@ -66,4 +70,55 @@ impl Drop for Server {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// One line of a run's `metrics.jsonl`: its step and metrics, `timing/*` left out.
+pub type MetricsLine = (u64, BTreeMap<String, Option<f64>>);
+
+/// The lines of `run_dir/metrics.jsonl` without their `timing/*` metrics.
+pub fn metrics_without_timing(run_dir: &Path) -> Vec<MetricsLine> {
+    let text = std::fs::read_to_string(run_dir.join("metrics.jsonl")).unwrap();
+    text.lines()
+        .map(|line| {
+            let record: serde_json::Value = serde_json::from_str(line).unwrap();
+            let metrics = record["metrics"]
+                .as_object()
+                .unwrap()
+                .iter()
+                .filter(|(name, _)| !name.starts_with("timing/"))
+                .map(|(name, value)| (name.clone(), value.as_f64()))
+                .collect();
+            (record["step"].as_u64().unwrap(), metrics)
+        })
+        .collect()
+}
+
+/// Asserts that two runs logged the same lines with bit-identical metrics; on failure lists
+/// every metric that differs (`got` vs `want`), with `what` naming the comparison.
+pub fn assert_same_metrics(got: &[MetricsLine], want: &[MetricsLine], what: &str) {
+    let steps = |lines: &[MetricsLine]| lines.iter().map(|(s, _)| *s).collect::<Vec<_>>();
+    assert_eq!(
+        steps(got),
+        steps(want),
+        "{what}: the runs logged other lines"
+    );
+    let differing: Vec<String> = got
+        .iter()
+        .zip(want)
+        .flat_map(|((step, got), (_, want))| {
+            let names: BTreeSet<&String> = got.keys().chain(want.keys()).collect();
+            names
+                .into_iter()
+                .filter(|name| got.get(*name) != want.get(*name))
+                .map(|name| {
+                    format!(
+                        "step {step} {name}: {:?} vs {:?}",
+                        got.get(name),
+                        want.get(name)
+                    )
+                })
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    assert!(differing.is_empty(), "{what}:\n{}", differing.join("\n"));
 }
