@@ -399,8 +399,9 @@ impl Default for SqlEnvConfig {
 #[serde(default, deny_unknown_fields)]
 pub struct ModelSpec {
     /// A Hugging Face model folder (`config.json`, `*.safetensors`, `tokenizer.json`), or
-    /// `embedded:tiny` for the built-in tiny Qwen3-shape model, `embedded:0.6B` (any Qwen3
-    /// preset shape) for a random model of that size over the embedded tokenizer.
+    /// `embedded:tiny` for the built-in tiny Qwen3-shape model, `embedded:small` for one
+    /// twice as wide, `embedded:0.6B` (any Qwen3 preset shape) for a random model of that
+    /// size over the embedded tokenizer.
     pub path: String,
     /// `[model.chat_template]`: options passed to the chat template.
     pub chat_template: ChatTemplateOptions,
