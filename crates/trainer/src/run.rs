@@ -212,7 +212,7 @@ pub fn run_loop<E: Engine>(
     let enable_thinking = config.model.chat_template.enable_thinking;
     let tokenizer = Arc::new(inputs.tokenizer);
 
-    let (mut train_prompts, dropped_train) = prepare_prompts(
+    let (prompts, dropped_train) = prepare_prompts(
         inputs.train_rows,
         &tokenizer,
         &inputs.template,
@@ -227,11 +227,16 @@ pub fn run_loop<E: Engine>(
         t.max_prompt_length,
     )?;
     // The warm start's examples come first; RL then draws from all or only the rest.
-    let labelled = config.sft.num_examples(train_prompts.len());
-    let sft_prompts: Vec<Prompt> = match (config.sft.enabled, config.sft.rl_on_examples) {
-        (false, _) => Vec::new(),
-        (true, true) => train_prompts[..labelled].to_vec(),
-        (true, false) => train_prompts.drain(..labelled).collect(),
+    let labelled = if config.sft.enabled {
+        config.sft.num_examples(prompts.len())
+    } else {
+        0
+    };
+    let sft_prompts = &prompts[..labelled];
+    let train_prompts = if config.sft.rl_on_examples {
+        &prompts[..]
+    } else {
+        &prompts[labelled..]
     };
     let steps_per_epoch = train_prompts.len() / t.train_batch_size;
     if steps_per_epoch == 0 {
@@ -344,7 +349,7 @@ pub fn run_loop<E: Engine>(
         ]);
         log_metrics(&mut sink, &mut state, 0, &data_metrics)?;
         if config.sft.enabled {
-            let examples = sft_examples(&sft_prompts, &tokenizer)?;
+            let examples = sft_examples(sft_prompts, &tokenizer)?;
             run_sft(engine, config, &examples, &mut |epoch_metrics| {
                 if console {
                     println!(
