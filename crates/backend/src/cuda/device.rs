@@ -1,16 +1,19 @@
 //! The device side of [`CudaBackend`]: context, stream, cuBLAS handle, buffers, the
 //! NVRTC module cache, kernel launches and the GEMM wrapper.
 
+use std::borrow::Cow;
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::cublas::{result as cublas_result, sys as cublas_sys, CudaBlas};
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, LaunchConfig,
-    PushKernelArg,
+    CudaContext, CudaEvent, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr,
+    LaunchConfig, PushKernelArg,
 };
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
 
+use super::KernelTime;
 use crate::{BufKind, Error, Matmul, Result};
 
 impl From<cudarc::driver::DriverError> for Error {
@@ -183,6 +186,16 @@ pub struct CudaBackend {
     functions: Mutex<HashMap<&'static str, CudaFunction>>,
     /// cuBLAS's workspace; kept alive as long as the handle uses it.
     _blas_workspace: CudaSlice<u8>,
+    /// Whether launches and GEMMs are being timed ([`CudaBackend::start_profile`]).
+    profiling: AtomicBool,
+    spans: Mutex<Vec<Span>>,
+}
+
+/// One timed launch or GEMM: what ran, between two events recorded on the stream.
+struct Span {
+    name: Cow<'static, str>,
+    start: CudaEvent,
+    end: CudaEvent,
 }
 
 /// Shared memory a block may use without opting in.
@@ -258,7 +271,63 @@ impl CudaBackend {
             modules: Mutex::new(HashMap::new()),
             functions: Mutex::new(HashMap::new()),
             _blas_workspace: workspace,
+            profiling: AtomicBool::new(false),
+            spans: Mutex::new(Vec::new()),
         })
+    }
+
+    /// Starts timing every kernel launch and GEMM with a pair of CUDA events around it (the
+    /// per-kernel breakdown of `floe bench --profile`). Launches stay asynchronous; the
+    /// events add a few microseconds of host time each.
+    pub fn start_profile(&self) {
+        self.spans.lock().expect("poisoned").clear();
+        self.profiling.store(true, Ordering::Relaxed);
+    }
+
+    /// Stops timing, waits for the stream and returns the GPU time per kernel name (GEMMs
+    /// per shape) since [`Self::start_profile`], largest first.
+    pub fn finish_profile(&self) -> Result<Vec<KernelTime>> {
+        self.profiling.store(false, Ordering::Relaxed);
+        self.stream.synchronize()?;
+        let spans = std::mem::take(&mut *self.spans.lock().expect("poisoned"));
+        let mut by_name: HashMap<Cow<'static, str>, (usize, f64)> = HashMap::new();
+        for span in spans {
+            let ms = span.start.elapsed_ms(&span.end)?;
+            let entry = by_name.entry(span.name).or_default();
+            entry.0 += 1;
+            entry.1 += f64::from(ms);
+        }
+        let mut times: Vec<KernelTime> = by_name
+            .into_iter()
+            .map(|(name, (calls, total_ms))| KernelTime {
+                name: name.into_owned(),
+                calls,
+                total_ms,
+            })
+            .collect();
+        times.sort_by(|a, b| b.total_ms.total_cmp(&a.total_ms));
+        Ok(times)
+    }
+
+    /// Runs `enqueue` between two timing events while profiling; otherwise just runs it.
+    fn timed(
+        &self,
+        name: impl FnOnce() -> Cow<'static, str>,
+        enqueue: impl FnOnce() -> Result<()>,
+    ) -> Result<()> {
+        if !self.profiling.load(Ordering::Relaxed) {
+            return enqueue();
+        }
+        let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let start = self.stream.record_event(timing)?;
+        enqueue()?;
+        let end = self.stream.record_event(timing)?;
+        self.spans.lock().expect("poisoned").push(Span {
+            name: name(),
+            start,
+            end,
+        });
+        Ok(())
     }
 
     /// Compiles every kernel module for `arch` (e.g. `sm_90`) with NVRTC alone, no driver or
@@ -343,11 +412,16 @@ impl CudaBackend {
         for slot in &slots {
             builder.arg(slot);
         }
-        // SAFETY: each kernel's parameter list matches `args` (checked by the op that
-        // builds them) and every pointer is a live allocation of this context.
-        unsafe { builder.launch(cfg) }
-            .map_err(|e| Error::Cuda(format!("launching {kernel}: {e}")))?;
-        Ok(())
+        self.timed(
+            || Cow::Borrowed(kernel),
+            || {
+                // SAFETY: each kernel's parameter list matches `args` (checked by the op
+                // that builds them) and every pointer is a live allocation of this context.
+                unsafe { builder.launch(cfg) }
+                    .map_err(|e| Error::Cuda(format!("launching {kernel}: {e}")))?;
+                Ok(())
+            },
+        )
     }
 
     /// A 1-D grid-stride launch over `n` items: enough blocks to fill the device, no more.
@@ -470,8 +544,18 @@ impl CudaBackend {
             (CUBLAS_OP_N, k)
         };
         self.ctx.bind_to_thread()?;
+        let name = || {
+            let t = |trans: bool| if trans { "T" } else { "N" };
+            let out = if c.1 == BufKind::Full { "f32" } else { "bf16" };
+            let acc = if beta == 0.0 { "" } else { " +=" };
+            Cow::Owned(format!(
+                "gemm {m}x{n}x{k} {}{} -> {out}{acc}",
+                t(trans_a),
+                t(trans_b)
+            ))
+        };
         // SAFETY: the caller checked every operand's length against `dims`.
-        unsafe {
+        self.timed(name, || unsafe {
             cublas_result::gemm_ex(
                 *self.blas.handle(),
                 op_b,
@@ -493,7 +577,7 @@ impl CudaBackend {
                 cublas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
                 cublas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
             )?;
-        }
-        Ok(())
+            Ok(())
+        })
     }
 }

@@ -27,3 +27,14 @@ mod stub;
 pub use device::{CudaBackend, CudaBuf};
 #[cfg(not(feature = "cuda"))]
 pub use stub::{CudaBackend, CudaBuf};
+
+/// GPU time of one kernel (or one GEMM shape) over a profiled stretch.
+#[derive(Debug, Clone, PartialEq)]
+pub struct KernelTime {
+    /// The kernel's name, or `gemm MxNxK` with the transposes and output type.
+    pub name: String,
+    /// Launches (or GEMM calls) timed.
+    pub calls: usize,
+    /// Their summed GPU time in milliseconds.
+    pub total_ms: f64,
+}

@@ -13,7 +13,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Context};
 use floe_backend::cpu::CpuBackend;
-use floe_backend::cuda::CudaBackend;
+use floe_backend::cuda::{CudaBackend, KernelTime};
 use floe_backend::Backend;
 use floe_engine::policy::{OptimParams, Policy};
 use floe_engine::{SampleRequest, Sampler, SamplerConfig, SamplingParams};
@@ -83,6 +83,10 @@ pub struct Args {
     /// Print only the `RESULT {...}` lines.
     #[arg(long)]
     json: bool,
+    /// After the timed runs, one more (a train step, or the generation) with every CUDA
+    /// kernel and GEMM timed by events: prints GPU time per kernel (CUDA only).
+    #[arg(long)]
+    profile: bool,
 }
 
 /// Runs `floe bench`.
@@ -96,12 +100,24 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                     .build_global()
                     .context("setting the CPU thread pool")?;
             }
-            bench(Arc::new(CpuBackend::<f32>::new()), &args, config, host_dir)
+            if args.profile {
+                bail!("--profile times CUDA kernels; use it with --device cuda:N");
+            }
+            bench(
+                Arc::new(CpuBackend::<f32>::new()),
+                &args,
+                config,
+                host_dir,
+                None,
+            )
         }
         Device::Cuda(ordinal) => {
-            let backend = CudaBackend::new(ordinal)
-                .with_context(|| format!("opening device {}", args.device))?;
-            bench(Arc::new(backend), &args, config, host_dir)
+            let backend = Arc::new(
+                CudaBackend::new(ordinal)
+                    .with_context(|| format!("opening device {}", args.device))?,
+            );
+            let profiler = args.profile.then(|| Arc::clone(&backend));
+            bench(backend, &args, config, host_dir, profiler)
         }
     }
 }
@@ -144,6 +160,7 @@ fn bench<B: Backend>(
     args: &Args,
     config: ModelConfig,
     dir: Option<PathBuf>,
+    profiler: Option<Arc<CudaBackend>>,
 ) -> anyhow::Result<()> {
     let batches = match (args.batch.is_empty(), args.mode) {
         (false, _) => args.batch.clone(),
@@ -165,7 +182,7 @@ fn bench<B: Backend>(
             let mut policy = Policy::new(model);
             policy.set_recompute(args.recompute);
             for &batch in &batches {
-                results.push(bench_train(&mut policy, args, batch)?);
+                results.push(bench_train(&mut policy, args, batch, profiler.as_deref())?);
             }
         }
         Mode::Generate => {
@@ -173,7 +190,7 @@ fn bench<B: Backend>(
                 bail!("generate needs --prompt and --new of at least 1");
             }
             for &batch in &batches {
-                results.push(bench_generate(&model, args, batch)?);
+                results.push(bench_generate(&model, args, batch, profiler.as_deref())?);
             }
         }
     }
@@ -220,6 +237,7 @@ fn bench_train<B: Backend>(
     policy: &mut Policy<B>,
     args: &Args,
     batch: usize,
+    profiler: Option<&CudaBackend>,
 ) -> anyhow::Result<Value> {
     let vocab = policy.model().config().vocab_size;
     let sequences: Vec<Vec<u32>> = (0..batch)
@@ -255,6 +273,17 @@ fn bench_train<B: Backend>(
     let step_s = start.elapsed().as_secs_f64() / args.iters as f64;
     let tok_s = (batch * args.seq) as f64 / step_s;
     let params = policy.model().config().num_parameters() as f64;
+    if let Some(profiler) = profiler {
+        let start = Instant::now();
+        profiler.start_profile();
+        step(policy)?;
+        let kernels = profiler.finish_profile()?;
+        print_profile(
+            &format!("train step, batch {batch}"),
+            &kernels,
+            start.elapsed().as_secs_f64(),
+        );
+    }
     Ok(json!({
         "mode": "train",
         "batch": batch,
@@ -272,6 +301,7 @@ fn bench_generate<B: Backend>(
     model: &Transformer<B>,
     args: &Args,
     batch: usize,
+    profiler: Option<&CudaBackend>,
 ) -> anyhow::Result<Value> {
     let config = SamplerConfig {
         // Room for every sequence at full length, so nothing is preempted.
@@ -309,7 +339,7 @@ fn bench_generate<B: Backend>(
     let seconds = start.elapsed().as_secs_f64();
     let new_tokens: usize = generations.iter().map(|g| g.tokens.len()).sum();
     let stats = sampler.stats();
-    Ok(json!({
+    let result = json!({
         "mode": "gen",
         "batch": batch,
         "prompt": args.prompt,
@@ -319,7 +349,19 @@ fn bench_generate<B: Backend>(
         "steps": stats.steps,
         "preemptions": stats.preemptions,
         "model_s": stats.model_time.as_secs_f64(),
-    }))
+    });
+    if let Some(profiler) = profiler {
+        let start = Instant::now();
+        profiler.start_profile();
+        sampler.generate(model, requests(args.new))?;
+        let kernels = profiler.finish_profile()?;
+        print_profile(
+            &format!("generation, batch {batch}"),
+            &kernels,
+            start.elapsed().as_secs_f64(),
+        );
+    }
+    Ok(result)
 }
 
 fn print_table(mode: Mode, results: &[Value]) {
@@ -359,5 +401,39 @@ fn print_table(mode: Mode, results: &[Value]) {
                 );
             }
         }
+    }
+}
+
+/// The per-kernel GPU times of one profiled run, largest first, with each one's share of
+/// the summed kernel time; kernels under 0.5 % are folded into one line.
+fn print_profile(what: &str, kernels: &[KernelTime], wall_s: f64) {
+    let total_ms: f64 = kernels.iter().map(|k| k.total_ms).sum();
+    println!(
+        "profile of one {what}: {:.1} ms of kernels in {:.1} ms wall (events on)",
+        total_ms,
+        wall_s * 1e3
+    );
+    println!("{:>9} {:>6} {:>7}  kernel", "ms", "share", "calls");
+    let (shown, folded): (Vec<&KernelTime>, Vec<&KernelTime>) =
+        kernels.iter().partition(|k| k.total_ms >= 0.005 * total_ms);
+    for k in shown {
+        println!(
+            "{:>9.2} {:>5.1}% {:>7}  {}",
+            k.total_ms,
+            100.0 * k.total_ms / total_ms,
+            k.calls,
+            k.name
+        );
+    }
+    if !folded.is_empty() {
+        let ms: f64 = folded.iter().map(|k| k.total_ms).sum();
+        let calls: usize = folded.iter().map(|k| k.calls).sum();
+        println!(
+            "{:>9.2} {:>5.1}% {:>7}  ({} smaller kernels)",
+            ms,
+            100.0 * ms / total_ms,
+            calls,
+            folded.len()
+        );
     }
 }
