@@ -20,6 +20,12 @@ float64, so no GPU is used). Three modes:
   #    chat-template renderings equal floe's, recorded in DIR/floe_expected.json.
   python3 tools/make_hf_fixtures.py --check-tokenizer DIR
 
+  # 4. On the GPU: a random Qwen3 of the 0.6B shape saved in bf16 to DIR/model, and
+  #    DIR/expected.json with next-token log-probs of a packed batch of random sequences,
+  #    computed by transformers in float32 and in bf16 from the saved weights. floe's CUDA
+  #    side: FLOE_HF_PARITY_DIR=DIR cuda_transformer --ignored hf_parity_at_0_6b.
+  python3 tools/make_hf_fixtures.py --scale-parity DIR
+
 Bump FIXTURE_VERSION whenever the fixture format or content changes; the Rust test
 refuses other versions and prints the command above.
 """
@@ -240,15 +246,73 @@ def check_tokenizer(root):
     print("OK: transformers agrees with floe's tokenizer and chat template")
 
 
+SCALE_SEQ_LENGTHS = [2048, 1000, 517, 300, 129, 40]
+
+
+def scale_parity(out):
+    import torch
+    import transformers as tf
+
+    cfg = tf.Qwen3Config(vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+                         num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                         head_dim=128, rope_theta=1e6, rms_norm_eps=1e-6,
+                         max_position_embeddings=40960, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = tf.Qwen3ForCausalLM(cfg).to(torch.float32)
+    # Peaked next-token distributions, as for the tiny fixtures (transformers' own init
+    # gives nearly uniform log-probs); smaller per-layer scale keeps 28 layers stable.
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * noise)
+            elif "embed_tokens" in name:
+                p.copy_(0.1 * noise)
+            else:
+                p.copy_(0.5 * noise / math.sqrt(p.shape[1]))
+    model_dir = os.path.join(out, "model")
+    model.to(torch.bfloat16).save_pretrained(model_dir)
+    del model
+    gen = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist()
+            for n in SCALE_SEQ_LENGTHS]
+    expected = dict(sequences=seqs)
+    for dtype, key in [(torch.float32, "logprobs_f32"), (torch.bfloat16, "logprobs_bf16")]:
+        m = tf.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype,
+                                                    attn_implementation="sdpa").cuda().eval()
+        rows = []
+        with torch.no_grad():
+            for ids in seqs:
+                logits = m(input_ids=torch.tensor([ids], device="cuda")).logits[0].float()
+                logp = torch.log_softmax(logits, dim=-1)
+                target = torch.tensor(ids[1:], device="cuda")
+                rows.append(logp[:-1].gather(1, target[:, None])[:, 0].double().tolist())
+        expected[key] = rows
+        del m
+        torch.cuda.empty_cache()
+    with open(os.path.join(out, "expected.json"), "w") as f:
+        json.dump(expected, f)
+    flat = [x for r in expected["logprobs_f32"] for x in r]
+    diff = [abs(a - b) for ra, rb in zip(expected["logprobs_f32"], expected["logprobs_bf16"])
+            for a, b in zip(ra, rb)]
+    print(f"scale parity: {len(flat)} log-probs, f32 mean {sum(flat) / len(flat):.3f}, "
+          f"min {min(flat):.3f}; transformers bf16 vs f32: max {max(diff):.4f}, "
+          f"mean {sum(diff) / len(diff):.5f}")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--out", help="folder for fixtures.tar")
     p.add_argument("--check-floe-save", metavar="DIR")
     p.add_argument("--fixtures", default="crates/model/tests/fixtures")
     p.add_argument("--check-tokenizer", metavar="DIR")
+    p.add_argument("--scale-parity", metavar="DIR")
     args = p.parse_args()
-    if not (args.out or args.check_floe_save or args.check_tokenizer):
-        p.error("give --out, --check-floe-save or --check-tokenizer")
+    if not (args.out or args.check_floe_save or args.check_tokenizer or args.scale_parity):
+        p.error("give --out, --check-floe-save, --check-tokenizer or --scale-parity")
+    if args.scale_parity:
+        scale_parity(args.scale_parity)
     if args.out:
         make(args.out)
     if args.check_floe_save:
