@@ -199,7 +199,7 @@ fn gather_and_embedding() {
     let mut rng = Rng::new(3);
     let (vocab, dim, tokens) = (517, 96, 300);
     let table = rng.vec(vocab * dim, 1.0);
-    // Repeated ids exercise the atomics of the backward.
+    // Repeated ids: the backward sums each id's rows.
     let ids: Vec<u32> = (0..tokens).map(|_| rng.below(40)).collect();
     let dout = rng.vec(tokens * dim, 1.0);
     let gr = gather_embed(&g, &table, &ids, dim, &dout);
@@ -213,6 +213,57 @@ fn gather_and_embedding() {
     .enumerate()
     {
         check(name, &gr[i], &cr[i], TOL);
+    }
+}
+
+/// The reductions that once used float atomics (sum_squares across blocks, column sums of
+/// bias and RMSNorm weight gradients, embedding gradients of repeated ids) give bit-identical
+/// results on repeated runs, so a GPU run with one seed is reproducible.
+#[test]
+fn reductions_are_deterministic() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new(11);
+    let big = rng.vec(3_000_001, 1.0);
+    let (rows, cols, dim, tokens) = (4099, 300, 256, 20_000);
+    let dy = rng.vec(rows * cols, 1.0);
+    let ids: Vec<u32> = (0..tokens).map(|_| rng.below(37)).collect();
+    let dout = rng.vec(tokens * dim, 1.0);
+    let run = || {
+        let x = g.upload(&big, BufKind::Full).unwrap();
+        let norm = g.sum_squares(&x).unwrap();
+        let dyb = g.upload(&dy, BufKind::Compute).unwrap();
+        let mut dbias = g.upload(&vec![0.25; cols], BufKind::Full).unwrap();
+        g.add_bias_backward(&mut dbias, &dyb, rows, cols).unwrap();
+        let mut dtable = g.upload(&vec![0.5; 40 * dim], BufKind::Full).unwrap();
+        let d = g.upload(&dout, BufKind::Compute).unwrap();
+        let i = g.upload_index(&ids).unwrap();
+        g.embedding_backward(&mut dtable, &d, &i, dim).unwrap();
+        (
+            norm.to_bits(),
+            g.download(&dbias).unwrap(),
+            g.download(&dtable).unwrap(),
+        )
+    };
+    let first = run();
+    for _ in 0..3 {
+        let again = run();
+        assert_eq!(first.0, again.0, "sum_squares differs between runs");
+        assert!(
+            first
+                .1
+                .iter()
+                .zip(&again.1)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "add_bias_backward differs between runs"
+        );
+        assert!(
+            first
+                .2
+                .iter()
+                .zip(&again.2)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "embedding_backward differs between runs"
+        );
     }
 }
 

@@ -142,7 +142,9 @@ impl CudaBackend {
         cfg((gx as u32, gy as u32, 1), threads)
     }
 
-    /// `dst[c] += Σ_r src[r, c] · other[r, c] · row_scale[r]` (the last two optional).
+    /// `dst[c] += Σ_r src[r, c] · other[r, c] · row_scale[r]` (the last two optional), in
+    /// two passes (partial sums per chunk of rows, then the chunks in order) so the result
+    /// does not depend on block scheduling.
     #[allow(clippy::too_many_arguments)]
     fn column_sum(
         &self,
@@ -159,6 +161,7 @@ impl CudaBackend {
         let gy = rows
             .div_ceil(32)
             .clamp(1, (self.sm_count as usize * 8).div_ceil(gx).max(1));
+        let partial = self.alloc(gy * cols, BufKind::Full)?;
         let opt = |b: Option<&CudaBuf>| match b {
             Some(b) => (self.p(b), Arg::I32(dtype_code(b.kind))),
             None => (Arg::Ptr(0), Arg::I32(0)),
@@ -170,7 +173,7 @@ impl CudaBackend {
             "column_sum",
             cfg((gx as u32, gy as u32, 1), threads),
             &[
-                self.p(dst),
+                self.p(&partial),
                 self.p(src),
                 Arg::I32(dtype_code(src.kind)),
                 o,
@@ -178,6 +181,17 @@ impl CudaBackend {
                 r,
                 rdt,
                 int("column_sum", "rows", rows)?,
+                int("column_sum", "cols", cols)?,
+            ],
+        )?;
+        self.launch(
+            Module::Elementwise,
+            "column_sum_finish",
+            self.grid_1d(cols, threads),
+            &[
+                self.p(dst),
+                self.p(&partial),
+                int("column_sum", "chunks", gy)?,
                 int("column_sum", "cols", cols)?,
             ],
         )
@@ -413,21 +427,24 @@ impl Backend for CudaBackend {
 
     fn sum_squares(&self, x: &CudaBuf) -> Result<f64> {
         let dt = float("sum_squares", "x", x)?;
-        let out = self.stream.alloc_zeros::<f64>(1)?;
-        let out_ptr = {
+        let grid = self.grid_1d(x.len, 256);
+        let blocks = grid.grid_dim.0 as usize;
+        let partial = self.stream.alloc_zeros::<f64>(blocks.max(1))?;
+        let partial_ptr = {
             use cudarc::driver::DevicePtr;
-            out.device_ptr(&self.stream).0
+            partial.device_ptr(&self.stream).0
         };
         self.launch(
             Module::Elementwise,
             "sum_squares",
-            self.grid_1d(x.len, 256),
-            &[self.p(x), dt, i64_arg(x.len), Arg::Ptr(out_ptr)],
+            grid,
+            &[self.p(x), dt, i64_arg(x.len), Arg::Ptr(partial_ptr)],
         )?;
-        let mut v = [0f64];
-        self.stream.memcpy_dtoh(&out, &mut v)?;
+        let mut sums = vec![0f64; blocks.max(1)];
+        self.stream.memcpy_dtoh(&partial, &mut sums)?;
         self.stream.synchronize()?;
-        Ok(v[0])
+        // In block order: the same total on every run.
+        Ok(sums.iter().sum())
     }
 
     fn gather_rows(
@@ -577,16 +594,41 @@ impl Backend for CudaBackend {
                 ),
             });
         }
+        // Group the tokens by id on the host (ids are few: one per token of the batch), so
+        // the kernel sums each id's rows in token order without atomics.
+        let ids_host = self.download_index(ids)?;
+        let mut order: Vec<u32> = (0..ids_host.len() as u32).collect();
+        order.sort_by_key(|&t| ids_host[t as usize]);
+        let mut distinct: Vec<u32> = Vec::new();
+        let mut starts: Vec<u32> = Vec::new();
+        for (j, &t) in order.iter().enumerate() {
+            let id = ids_host[t as usize];
+            if distinct.last() != Some(&id) {
+                distinct.push(id);
+                starts.push(j as u32);
+            }
+        }
+        starts.push(order.len() as u32);
+        if distinct.is_empty() {
+            return Ok(());
+        }
+        let (distinct_buf, starts_buf, order_buf) = (
+            self.upload_index_to(&distinct)?,
+            self.upload_index_to(&starts)?,
+            self.upload_index_to(&order)?,
+        );
         self.launch(
             Module::Elementwise,
             "embedding_backward",
-            self.rows_cols(ids.len, dim),
+            self.rows_cols(distinct.len(), dim),
             &[
                 self.p(dtable),
                 self.p(dout),
                 ddt,
-                self.p(ids),
-                int(OP, "tokens", ids.len)?,
+                self.p(&distinct_buf),
+                self.p(&starts_buf),
+                self.p(&order_buf),
+                int(OP, "ids", distinct.len())?,
                 int(OP, "dim", dim)?,
             ],
         )

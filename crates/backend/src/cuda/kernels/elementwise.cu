@@ -17,9 +17,10 @@ extern "C" __global__ void convert(void* dst, int ddt, const void* src, int sdt,
         stf(dst, ddt, i, ldf(src, sdt, i));
 }
 
-// *out += sum(x^2): f32 per thread and per block, f64 across blocks so large tensors
-// (hundreds of millions of elements) keep their precision.
-extern "C" __global__ void sum_squares(const void* x, int dt, i64 n, double* out) {
+// partial[block] = sum(x^2) over the block's grid-stride share (f32 per thread and per
+// block); the host adds the partials in block order in f64, so the total is the same on
+// every run and large tensors (hundreds of millions of elements) keep their precision.
+extern "C" __global__ void sum_squares(const void* x, int dt, i64 n, double* partial) {
     __shared__ float scratch[32];
     float acc = 0.0f;
     for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
@@ -27,7 +28,7 @@ extern "C" __global__ void sum_squares(const void* x, int dt, i64 n, double* out
         acc = fmaf(v, v, acc);
     }
     acc = block_sum(acc, scratch);
-    if (threadIdx.x == 0) atomicAdd(out, (double)acc);
+    if (threadIdx.x == 0) partial[blockIdx.x] = (double)acc;
 }
 
 // out[r, :] = x[rows[r], :]. Also the embedding forward. One block row-chunk per y.
@@ -49,12 +50,11 @@ extern "C" __global__ void add_bias(void* y, int ydt, const void* bias, int bdt,
         }
 }
 
-// dst[c] += sum_r src[r, c] * (row_scale ? row_scale[r] : 1) * (other ? other[r, c] : 1).
-// Each block sums a chunk of rows for a strip of columns, then one atomic per column.
-// Serves add_bias_backward (dst = dbias) and RMSNorm's dw (src = dout, other = x,
-// row_scale = rstd).
-extern "C" __global__ void column_sum(float* dst, const void* src, int sdt, const void* other, int odt,
-                                      const void* row_scale, int rdt, int rows, int cols) {
+// partial[chunk, c] = sum over the chunk's rows r of src[r, c] * (row_scale ? row_scale[r] : 1)
+// * (other ? other[r, c] : 1); one block per chunk of rows and strip of columns. Serves
+// add_bias_backward (dbias) and RMSNorm's dw (src = dout, other = x, row_scale = rstd).
+extern "C" __global__ void column_sum(float* partial, const void* src, int sdt, const void* other,
+                                      int odt, const void* row_scale, int rdt, int rows, int cols) {
     int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= cols) return;
     int chunk = (rows + gridDim.y - 1) / gridDim.y;
@@ -67,16 +67,31 @@ extern "C" __global__ void column_sum(float* dst, const void* src, int sdt, cons
         if (row_scale) v *= ldf(row_scale, rdt, r);
         acc += v;
     }
-    if (r1 > r0) atomicAdd(dst + c, acc);
+    partial[(i64)blockIdx.y * cols + c] = acc;
 }
 
-// dtable[ids[t], :] += dout[t, :]; ids may repeat, hence atomics into the f32 table.
+// dst[c] += the chunks' partial sums in chunk order: deterministic, unlike one atomic per
+// chunk, whose order (and so rounding) changes from run to run.
+extern "C" __global__ void column_sum_finish(float* dst, const float* partial, int chunks, int cols) {
+    for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < cols; c += gridDim.x * blockDim.x) {
+        float acc = 0.0f;
+        for (int k = 0; k < chunks; ++k) acc += partial[(i64)k * cols + c];
+        dst[c] += acc;
+    }
+}
+
+// dtable[ids[u], :] += dout[t, :] for the tokens t = order[starts[u]..starts[u + 1]] (in
+// ascending t) of each distinct id u: one block row per id, so repeated ids need no atomics
+// and the sums come out the same on every run, in the CPU reference's order.
 extern "C" __global__ void embedding_backward(float* dtable, const void* dout, int ddt, const u32* ids,
-                                              int tokens, int dim) {
-    for (int t = blockIdx.y; t < tokens; t += gridDim.y) {
-        i64 dst = (i64)ids[t] * dim, src = (i64)t * dim;
-        for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < dim; c += gridDim.x * blockDim.x)
-            atomicAdd(dtable + dst + c, ldf(dout, ddt, src + c));
+                                              const u32* starts, const u32* order, int nids, int dim) {
+    for (int u = blockIdx.y; u < nids; u += gridDim.y) {
+        i64 dst = (i64)ids[u] * dim;
+        for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < dim; c += gridDim.x * blockDim.x) {
+            float acc = dtable[dst + c];
+            for (u32 j = starts[u]; j < starts[u + 1]; ++j) acc += ldf(dout, ddt, (i64)order[j] * dim + c);
+            dtable[dst + c] = acc;
+        }
     }
 }
 
