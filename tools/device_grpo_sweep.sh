@@ -15,14 +15,16 @@ sweep() {  # sweep NAME OVERRIDES...
     > runs/$name.log 2>&1
   echo "$name rc=$?" >> runs/status
 }
-[ -n "$NO_G06" ] || timeout 150 ./floe train embedded.toml engine.device=cuda:0 engine.recompute=true \
-  model.path=embedded:0.6B sft.enabled=false trainer.run_dir=runs/g06 trainer.logger=[] \
-  trainer.max_training_steps=4 trainer.eval_before_train=false trainer.eval_interval=-1 \
-  trainer.train_batch_size=32 trainer.policy_mini_batch_size=32 \
-  trainer.micro_train_batch_size_per_gpu=64 trainer.micro_forward_batch_size_per_gpu=128 \
-  generator.sampling_params.max_generate_length=256 trainer.policy.optimizer_config.lr=1e-6 \
-  > runs/g06.log 2>&1
-echo "g06 rc=$?" >> runs/status
+if [ -z "$NO_G06" ]; then
+  timeout 150 ./floe train embedded.toml engine.device=cuda:0 engine.recompute=true \
+    model.path=embedded:0.6B sft.enabled=false trainer.run_dir=runs/g06 trainer.logger=[] \
+    trainer.max_training_steps=4 trainer.eval_before_train=false trainer.eval_interval=-1 \
+    trainer.train_batch_size=32 trainer.policy_mini_batch_size=32 \
+    trainer.micro_train_batch_size_per_gpu=64 trainer.micro_forward_batch_size_per_gpu=128 \
+    generator.sampling_params.max_generate_length=256 trainer.policy.optimizer_config.lr=1e-6 \
+    > runs/g06.log 2>&1
+  echo "g06 rc=$?" >> runs/status
+fi
 while read -r line; do
   [ -n "$line" ] && sweep $line &
 done < "${SWEEP:-sweep.txt}"
