@@ -29,7 +29,8 @@ use serde_json::{json, Map};
 use crate::bird::{arctic_answer, arctic_prompt, render_schema, SchemaOptions};
 use crate::dataset::{write_rows, DatasetError, Row, SplitMix64};
 
-/// `data_source` of the synthetic SQL rows.
+/// Prefix of the synthetic SQL rows' `data_source`, which is `synth_sql_<database>` so that
+/// metrics split per database (`eval/synth_sql_school/accuracy`).
 pub const DATA_SOURCE: &str = "synth_sql";
 
 /// What to generate.
@@ -258,7 +259,7 @@ fn to_row(
     );
     Row::new(
         arctic_prompt(schema, &q.text, compact),
-        DATA_SOURCE,
+        format!("{DATA_SOURCE}_{}", spec.id),
         Some(crate::env::TEXT2SQL.to_string()),
         Some(json!(q.sql)),
         extras,

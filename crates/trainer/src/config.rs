@@ -533,6 +533,12 @@ pub struct SftConfig {
     /// a small labelled set, while GRPO learns from every training prompt through its
     /// reward alone. Unset uses every reference answer.
     pub max_examples: Option<usize>,
+    /// At most this many of the warm start's examples from each named database
+    /// (`extra_info.db_id`), e.g. `{ shop = 16, school = 16 }`: labelled answers scarce for
+    /// some databases, whose questions GRPO then learns from the execution reward alone.
+    /// Rows of a database past its cap are skipped and `max_examples` fills up from the
+    /// rows after them. Unset: no caps.
+    pub max_examples_per_database: Option<BTreeMap<String, usize>>,
     /// Whether GRPO also draws the prompts whose reference answers the warm start learned.
     /// `false` leaves them out, so RL learns only from questions it was never shown an
     /// answer to, like the held-out ones.
@@ -540,10 +546,35 @@ pub struct SftConfig {
 }
 
 impl SftConfig {
-    /// How many of `available` training prompts the warm start learns from: the first
-    /// `max_examples`, or all of them.
-    pub fn num_examples(&self, available: usize) -> usize {
-        self.max_examples.unwrap_or(available).min(available)
+    /// Which training rows, given in order by their database (`extra_info.db_id`), the warm
+    /// start learns from: the first `max_examples` (every row when unset), skipping the rows
+    /// of a database once its `max_examples_per_database` cap is reached.
+    pub fn example_mask<'a>(
+        &self,
+        databases: impl IntoIterator<Item = Option<&'a str>>,
+    ) -> Vec<bool> {
+        let caps = self.max_examples_per_database.as_ref();
+        let mut taken_per_database: HashMap<&str, usize> = HashMap::new();
+        let mut taken = 0;
+        databases
+            .into_iter()
+            .map(|database| {
+                if self.max_examples.is_some_and(|max| taken >= max) {
+                    return false;
+                }
+                if let Some(db) = database {
+                    if let Some(&cap) = caps.and_then(|caps| caps.get(db)) {
+                        let count = taken_per_database.entry(db).or_default();
+                        if *count >= cap {
+                            return false;
+                        }
+                        *count += 1;
+                    }
+                }
+                taken += 1;
+                true
+            })
+            .collect()
     }
 }
 
@@ -557,6 +588,7 @@ impl Default for SftConfig {
             num_warmup_steps: 0,
             batch_size: 8,
             max_examples: None,
+            max_examples_per_database: None,
             rl_on_examples: true,
         }
     }

@@ -29,6 +29,11 @@ pub struct Prompt {
     pub ids: Vec<u32>,
 }
 
+/// The database a row asks about (`extra_info.db_id`), for text-to-SQL rows.
+pub fn row_database(row: &Row) -> Option<&str> {
+    row.extra_info().get("db_id").and_then(|v| v.as_str())
+}
+
 /// Which split of a source to read.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Split {

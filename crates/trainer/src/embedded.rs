@@ -57,12 +57,12 @@ pub const EMBEDDED_CONTEXT: usize = 2048;
 
 /// The tokenizer of an embedded run: the one saved in `<run_dir>/tokenizer/` when there is
 /// one (a resumed run must keep its ids), else one trained on the prompts of `rows` and
-/// the reference answers of the first `labelled` (the warm start's examples) and saved
+/// the reference answers of the rows marked in `labelled` (the warm start's examples) and saved
 /// there. The rows' `extra_info.constants` stay out of the merges, so every value splits
 /// into the same kind of small pieces and copying one teaches copying the others: with a
 /// value a single token, the model must learn to copy each value on its own, and held-out
 /// accuracy falls several-fold (`docs/benchmarks.md`).
-pub fn embedded_tokenizer(run_dir: &Path, rows: &[Row], labelled: usize) -> Result<Tokenizer> {
+pub fn embedded_tokenizer(run_dir: &Path, rows: &[Row], labelled: &[bool]) -> Result<Tokenizer> {
     let dir = run_dir.join(TOKENIZER_DIR);
     if dir.join("tokenizer.json").is_file() {
         return Ok(Tokenizer::from_dir(&dir)?);
@@ -81,7 +81,7 @@ pub fn embedded_tokenizer(run_dir: &Path, rows: &[Row], labelled: usize) -> Resu
                 .fold(text.to_string(), |t, c| t.replace(c, " "))
         };
         texts.extend(row.prompt.iter().map(|m| without_constants(&m.content)));
-        if let Some(answer) = reference_answer(row).filter(|_| index < labelled) {
+        if let Some(answer) = reference_answer(row).filter(|_| labelled[index]) {
             texts.push(without_constants(answer));
         }
     }

@@ -133,8 +133,9 @@ pub fn evaluate<E: Engine>(
 }
 
 /// `eval/<ds>/accuracy` (share of samples with a correct answer) and, for `k > 1`, the
-/// unbiased `eval/<ds>/pass_at_1` over correct answers; the same over `all`. SkyRL's
-/// `pass_at_k` counts any positive reward, which a format bonus already earns.
+/// unbiased `eval/<ds>/pass_at_1` and `eval/<ds>/pass_at_{k}_correct` (share of prompts
+/// with a correct answer among their `k` samples); the same over `all`. SkyRL's
+/// `pass_at_{k}` counts any positive reward, which a format bonus already earns.
 fn correctness_metrics(
     sources: &[&str],
     scores: &[f64],
@@ -165,6 +166,11 @@ fn correctness_metrics(
             let pass1 =
                 counts.iter().map(|&(n, c)| pass_at_k(n, c, 1)).sum::<f64>() / counts.len() as f64;
             out.insert(names::eval(ds, "pass_at_1"), pass1);
+            let solved = counts.iter().filter(|&&(_, c)| c > 0).count();
+            out.insert(
+                names::eval(ds, &format!("pass_at_{k}_correct")),
+                solved as f64 / counts.len() as f64,
+            );
         }
     }
     out
@@ -186,4 +192,22 @@ pub fn write_records(path: &Path, records: &[EvalRecord]) -> Result<PathBuf> {
     }
     out.flush().map_err(io)?;
     Ok(path.to_path_buf())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn correctness_counts_only_correct_answers() {
+        // Two prompts × 4 samples: the first solved once, the second never (format credit only).
+        let sources = ["sql"; 8];
+        let scores = [1.0, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1];
+        let groups = [0, 0, 0, 0, 1, 1, 1, 1];
+        let m = correctness_metrics(&sources, &scores, &groups, 4);
+        assert_eq!(m["eval/sql/accuracy"], 0.125);
+        assert_eq!(m["eval/sql/pass_at_1"], 0.125);
+        assert_eq!(m["eval/sql/pass_at_4_correct"], 0.5);
+        assert_eq!(m["eval/all/pass_at_4_correct"], 0.5);
+    }
 }

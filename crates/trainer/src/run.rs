@@ -5,7 +5,7 @@
 //! Shapes in names: `_s` per sequence (trajectory), `_t` per response token of the batch
 //! (sequences end to end), `_g` per group (prompt).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
@@ -28,7 +28,7 @@ use crate::checkpoint::{
     ENGINE_DIR,
 };
 use crate::config::{Config, Logger, Scheduler};
-use crate::data::{load_split, next_batch, prepare_prompts, Prompt, Split};
+use crate::data::{load_split, next_batch, prepare_prompts, row_database, Prompt, Split};
 use crate::embedded::{embedded_model, embedded_tokenizer, is_embedded, TOKENIZER_DIR};
 use crate::engine::{Engine, Loss, SequenceGroup, TrainGroup, TrainResponse, Weights};
 use crate::error::{Error, Result};
@@ -91,8 +91,8 @@ pub fn model_setup(
                 source,
             })?;
         }
-        let labelled = config.sft.num_examples(train_rows.len());
-        let tokenizer = embedded_tokenizer(run_dir, train_rows, labelled)?;
+        let labelled = labelled_rows(config, train_rows.iter())?;
+        let tokenizer = embedded_tokenizer(run_dir, train_rows, &labelled)?;
         let model = embedded_model(path, &tokenizer)?.expect("an embedded path");
         config.validate_context_length(model.max_position_embeddings)?;
         let source = ModelSource::Random {
@@ -112,6 +112,28 @@ pub fn model_setup(
         template,
         source,
     })
+}
+
+/// Which of the training rows the warm start learns from (none when `sft.enabled` is
+/// off); fails when `sft.max_examples_per_database` names a database no row has.
+fn labelled_rows<'a>(
+    config: &Config,
+    rows: impl Iterator<Item = &'a Row> + Clone,
+) -> Result<Vec<bool>> {
+    if let Some(caps) = &config.sft.max_examples_per_database {
+        let databases: BTreeSet<&str> = rows.clone().filter_map(row_database).collect();
+        if let Some(missing) = caps.keys().find(|db| !databases.contains(db.as_str())) {
+            return Err(Error::Data(format!(
+                "sft.max_examples_per_database names `{missing}`, a database no training row \
+                 has (extra_info.db_id: {})",
+                databases.into_iter().collect::<Vec<_>>().join(", ")
+            )));
+        }
+    }
+    if !config.sft.enabled {
+        return Ok(rows.map(|_| false).collect());
+    }
+    Ok(config.sft.example_mask(rows.map(row_database)))
 }
 
 /// The environments of a run: the built-ins over a sandbox with `environment.sql`'s
@@ -226,18 +248,19 @@ pub fn run_loop<E: Engine>(
         enable_thinking,
         t.max_prompt_length,
     )?;
-    // The warm start's examples come first; RL then draws from all or only the rest.
-    let labelled = if config.sft.enabled {
-        config.sft.num_examples(prompts.len())
-    } else {
-        0
-    };
-    let sft_prompts = &prompts[..labelled];
-    let train_prompts = if config.sft.rl_on_examples {
-        &prompts[..]
-    } else {
-        &prompts[labelled..]
-    };
+    // The warm start learns from the first rows (within its per-database caps); RL then
+    // draws from all or only the rest.
+    let labelled = labelled_rows(config, prompts.iter().map(|p| &p.row))?;
+    let sft_prompts: Vec<&Prompt> = prompts
+        .iter()
+        .zip(&labelled)
+        .filter_map(|(p, &l)| l.then_some(p))
+        .collect();
+    let train_prompts: Vec<&Prompt> = prompts
+        .iter()
+        .zip(&labelled)
+        .filter_map(|(p, &l)| (config.sft.rl_on_examples || !l).then_some(p))
+        .collect();
     let steps_per_epoch = train_prompts.len() / t.train_batch_size;
     if steps_per_epoch == 0 {
         return Err(Error::Data(format!(
@@ -349,7 +372,7 @@ pub fn run_loop<E: Engine>(
         ]);
         log_metrics(&mut sink, &mut state, 0, &data_metrics)?;
         if config.sft.enabled {
-            let examples = sft_examples(sft_prompts, &tokenizer)?;
+            let examples = sft_examples(&sft_prompts, &tokenizer)?;
             run_sft(engine, config, &examples, &mut |epoch_metrics| {
                 if console {
                     println!(
@@ -407,7 +430,7 @@ pub fn run_loop<E: Engine>(
             t.train_batch_size,
             config.data.shuffle,
         );
-        let batch: Vec<&Prompt> = batch_idx.iter().map(|&i| &train_prompts[i]).collect();
+        let batch: Vec<&Prompt> = batch_idx.iter().map(|&i| train_prompts[i]).collect();
 
         // 1. Rollouts, scored as they finish.
         let (trajs, rollout_timing) = rollouts.run(
@@ -905,6 +928,9 @@ pub struct EvalRequest {
     pub data: Option<PathBuf>,
     /// Samples per prompt instead of the run's `generator.eval_n_samples_per_prompt`.
     pub n: Option<usize>,
+    /// Sampling temperature instead of the run's `generator.eval_sampling_params` (0 is
+    /// greedy).
+    pub temperature: Option<f64>,
     /// Where to write the generations (JSONL) instead of `<run_dir>/evals/`.
     pub out: Option<PathBuf>,
 }
@@ -991,8 +1017,12 @@ pub fn eval_checkpoint(request: &EvalRequest) -> Result<EvalReport> {
         max_input_length(&config),
         config.environment.max_env_workers,
     )?;
+    let mut sampling = g.eval_sampling_params.clone();
+    if let Some(temperature) = request.temperature {
+        sampling.temperature = temperature;
+    }
     let spec = EvalSpec {
-        params: engine_sampling_params(&g.eval_sampling_params, &tokenizer),
+        params: engine_sampling_params(&sampling, &tokenizer),
         k: request.n.unwrap_or(g.eval_n_samples_per_prompt).max(1),
         batch_size: config.trainer.eval_batch_size,
         seed: config.trainer.seed,

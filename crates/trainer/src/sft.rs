@@ -30,7 +30,7 @@ pub struct SftExample {
 }
 
 /// The examples of the prompts that carry a reference answer.
-pub fn sft_examples(prompts: &[Prompt], tokenizer: &Tokenizer) -> Result<Vec<SftExample>> {
+pub fn sft_examples(prompts: &[&Prompt], tokenizer: &Tokenizer) -> Result<Vec<SftExample>> {
     let eos = tokenizer.eos_token_ids.first().copied();
     prompts
         .iter()

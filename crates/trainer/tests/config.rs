@@ -425,3 +425,31 @@ fn algorithm_section_is_the_rl_crates_config() {
         "{problems:?}"
     );
 }
+
+#[test]
+fn per_database_caps_load_from_a_recipe_and_overrides() {
+    let dir = tempfile::tempdir().unwrap();
+    let recipe = write_recipe(
+        dir.path(),
+        "caps.toml",
+        "[sft]\nenabled = true\nmax_examples = 5\nmax_examples_per_database = { shop = 1 }\n",
+    );
+    let config = Config::load(
+        Some(&recipe),
+        &overrides(&["sft.max_examples_per_database.school=0"]),
+    )
+    .unwrap();
+    let caps = config.sft.max_examples_per_database.clone().unwrap();
+    assert_eq!((caps["shop"], caps["school"]), (1, 0));
+
+    // Rows in order: the caps skip later shop and every school row, and max_examples
+    // fills up from the rows after them.
+    let databases = [
+        "shop", "school", "shop", "library", "library", "school", "library", "library", "library",
+    ];
+    let mask = config.sft.example_mask(databases.iter().map(|&d| Some(d)));
+    assert_eq!(
+        mask,
+        [true, false, false, true, true, false, true, true, false]
+    );
+}

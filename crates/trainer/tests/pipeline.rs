@@ -5,7 +5,7 @@ use std::path::Path;
 
 use floe_trainer::checkpoint::{load_trainer_state, CHECKPOINTS_DIR, LATEST_FILE};
 use floe_trainer::metrics::read_metrics;
-use floe_trainer::run::train;
+use floe_trainer::run::{eval_checkpoint, train, EvalRequest};
 use floe_trainer::Config;
 
 /// The embedded recipe shrunk to seconds on a 2-core CPU.
@@ -42,7 +42,11 @@ fn embedded_pipeline_writes_metrics_tensorboard_report_and_checkpoints() {
     let outcome = train(&config).unwrap();
     assert_eq!(outcome.steps, 2);
     assert!(outcome.initial_eval.contains_key("eval/all/avg_score"));
-    assert!(outcome.final_eval.contains_key("eval/synth_sql/avg_score"));
+    // Synthetic SQL rows report per database (`synth_sql_<db>`) as well as over all.
+    assert!(outcome
+        .final_eval
+        .keys()
+        .any(|k| k.starts_with("eval/synth_sql_") && k.ends_with("/accuracy")));
 
     let records = read_metrics(&run_dir.join("metrics.jsonl")).unwrap();
     let has = |step: u64, name: &str| {
@@ -64,7 +68,7 @@ fn embedded_pipeline_writes_metrics_tensorboard_report_and_checkpoints() {
             "timing/train",
             "timing/sync",
             "timing/step",
-            "eval/synth_sql/avg_score",
+            "eval/all/avg_score",
             "policy/rollout_train_logprobs_abs_diff_max",
         ] {
             assert!(has(step, name), "step {step} lacks {name}");
@@ -103,6 +107,32 @@ fn embedded_pipeline_writes_metrics_tensorboard_report_and_checkpoints() {
     let state = load_trainer_state(&checkpoints.join("global_step_2")).unwrap();
     assert_eq!(state.global_step, 2);
     assert_eq!(state.optimizer_steps, 4, "2 steps × 2 mini-batches");
+
+    // `floe eval` on the run: its latest checkpoint, 2 samples a question at temperature 1.
+    let generations = dir.path().join("eval.jsonl");
+    let report = eval_checkpoint(&EvalRequest {
+        target: run_dir.clone(),
+        data: None,
+        n: Some(2),
+        temperature: Some(1.0),
+        out: Some(generations.clone()),
+    })
+    .unwrap();
+    assert!(report.checkpoint.ends_with("global_step_2"));
+    assert_eq!(report.num_prompts, 8);
+    for key in [
+        "eval/all/avg_score",
+        "eval/all/accuracy",
+        "eval/all/pass_at_1",
+        "eval/all/pass_at_2_correct",
+    ] {
+        assert!(report.metrics.contains_key(key), "floe eval lacks {key}");
+    }
+    let lines = std::fs::read_to_string(&generations)
+        .unwrap()
+        .lines()
+        .count();
+    assert_eq!(lines, 16, "8 questions × 2 samples");
 }
 
 #[test]
@@ -132,4 +162,14 @@ fn rl_can_leave_out_the_warm_starts_examples() {
     let checkpoints = run_dir.join(CHECKPOINTS_DIR);
     let state = load_trainer_state(&checkpoints.join("global_step_1")).unwrap();
     assert_eq!(state.data_cursor.len, 24);
+}
+
+#[test]
+fn a_cap_on_a_database_no_row_has_is_an_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut overrides = tiny_overrides(&dir.path().join("run"));
+    overrides.push("sft.max_examples_per_database.scool=4".into());
+    let config = Config::load(None, &overrides).unwrap();
+    let err = train(&config).unwrap_err().to_string();
+    assert!(err.contains("`scool`") && err.contains("school"), "{err}");
 }

@@ -19,6 +19,11 @@ pub struct Args {
     /// `generator.eval_n_samples_per_prompt`.
     #[arg(long, value_name = "K")]
     n: Option<usize>,
+    /// Sampling temperature; default: the run's `generator.eval_sampling_params` (0 is
+    /// greedy). With `--n 8 --temperature 1`, `pass_at_8_correct` shows how far sampling
+    /// reaches beyond the greedy answer.
+    #[arg(long, value_name = "T")]
+    temperature: Option<f64>,
     /// Write the generations here (JSONL); default: `<run_dir>/evals/`.
     #[arg(long, value_name = "FILE.jsonl")]
     out: Option<PathBuf>,
@@ -26,10 +31,14 @@ pub struct Args {
 
 /// Runs `floe eval`: prints pass@k and the average score per data source.
 pub fn run(args: Args) -> anyhow::Result<()> {
+    if let Some(t) = args.temperature.filter(|t| !(t.is_finite() && *t >= 0.0)) {
+        anyhow::bail!("--temperature {t}: must be 0 (greedy) or positive");
+    }
     let report = eval_checkpoint(&EvalRequest {
         target: args.target,
         data: args.data,
         n: args.n,
+        temperature: args.temperature,
         out: args.out,
     })?;
     println!(
