@@ -4,7 +4,8 @@
 #           error statistics of floe's CUDA (bf16) and CPU (f32) paths against transformers
 #   tests   the CUDA tests (ops, transformer, sampler against the CPU)
 #   bench   `floe bench --profile` against ../shared/bench/peer_torch.py on the same shapes,
-#           with the per-kernel GPU time of one train step and one generation
+#           with the per-kernel GPU time of one train step and one generation, then the
+#           floe/peer ratios (tools/bench_ratios.py)
 #   train   a few GRPO steps of `floe train` on the GPU at the 0.6B and 1.7B shapes, with
 #           the step-time breakdown (generate, score, log-probs, train, weight handoff)
 #
@@ -15,7 +16,7 @@
 #   mkdir -p .device && cp target/release/floe .device/ && strip .device/floe
 #   cp <each printed test binary> .device/<its test name>   # and strip them
 #   cp ../shared/bench/peer_torch.py tools/device_bench.sh tools/make_hf_fixtures.py \
-#     recipes/embedded.toml .device/
+#     tools/bench_ratios.py recipes/embedded.toml .device/
 # then run `bash .device/device_bench.sh` on the device with `.device` carried. Results go
 # to $OUT/bench.log; items are skipped once the call nears its time limit (LIMIT seconds).
 cd "$(dirname "$0")"
@@ -49,6 +50,7 @@ if part bench; then
     TAIL=80 run 150 ./floe bench generate --device cuda:0 --model $m --random-init --batch 64,256 --prompt 256 --new 256 --profile
     run 70 python3 peer_torch.py --model $m --mode gen --batch 256 --prompt 256 --new 256
   done
+  python3 bench_ratios.py "$B" | tee -a "$B"
 fi
 if part train; then
   mkdir -p runs
