@@ -226,7 +226,10 @@ fn hf_parity_at_0_6b() {
         eprintln!("set FLOE_HF_PARITY_DIR to a folder made by make_hf_fixtures.py --scale-parity");
         return;
     };
-    let cuda = Arc::new(CudaBackend::new(0).expect("a GPU"));
+    let cuda = match CudaBackend::new(0) {
+        Ok(cuda) => Arc::new(cuda),
+        Err(e) => panic!("FLOE_HF_PARITY_DIR is set but there is no usable GPU: {e}"),
+    };
     let expected: serde_json::Value =
         serde_json::from_slice(&std::fs::read(dir.join("expected.json")).unwrap()).unwrap();
     let rows = |key: &str| -> Vec<f64> {
