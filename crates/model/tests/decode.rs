@@ -13,25 +13,10 @@ use floe_model::decode::CachedInput;
 use floe_model::transformer::Transformer;
 use floe_model::weights::{tensor_specs, HostTensor};
 
+mod support;
+use support::Rng;
+
 type B = CpuBackend<f64>;
-
-struct Rng(u64);
-
-impl Rng {
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    fn uniform(&mut self) -> f64 {
-        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0
-    }
-    fn tokens(&mut self, n: usize, vocab: u64) -> Vec<u32> {
-        (0..n).map(|_| (self.next_u64() % vocab) as u32).collect()
-    }
-}
 
 fn config(architecture: Architecture) -> ModelConfig {
     ModelConfig {

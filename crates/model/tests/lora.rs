@@ -15,29 +15,10 @@ use floe_model::lora::{adapter_specs, load_adapter_dir, save_adapter_dir, LoraCo
 use floe_model::transformer::Transformer;
 use floe_model::weights::{tensor_specs, HostTensor};
 
+mod support;
+use support::Rng;
+
 type B = CpuBackend<f64>;
-
-/// splitmix64 for test data.
-struct Rng(u64);
-
-impl Rng {
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    fn uniform(&mut self) -> f64 {
-        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next_u64() % n as u64) as usize
-    }
-    fn tokens(&mut self, n: usize, vocab: usize) -> Vec<u32> {
-        (0..n).map(|_| self.below(vocab) as u32).collect()
-    }
-}
 
 fn tiny(architecture: Architecture, tied: bool) -> ModelConfig {
     ModelConfig {
