@@ -229,12 +229,7 @@ fn a_hundred_concurrent_samples_are_all_answered_under_back_pressure() {
 
 #[test]
 fn the_sdk_retries_429_until_a_hundred_concurrent_samples_are_answered() {
-    let has_sdk = Command::new("python3")
-        .args(["-c", "import tinker"])
-        .output()
-        .is_ok_and(|out| out.status.success());
-    if !has_sdk {
-        eprintln!("skipped: the tinker SDK is not installed (pip install tinker==0.38.0)");
+    if !tinker_sdk_installed() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();

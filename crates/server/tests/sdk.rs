@@ -8,21 +8,16 @@ use std::process::Command;
 
 use common::*;
 
-#[test]
-fn tinker_sdk_trains_and_samples() {
-    let has_sdk = Command::new("python3")
-        .args(["-c", "import tinker"])
-        .output()
-        .is_ok_and(|out| out.status.success());
-    if !has_sdk {
-        eprintln!("skipped: the tinker SDK is not installed (pip install tinker==0.38.0)");
+/// Runs `tests/<script>` with the SDK against a fresh server and checks it printed `done`;
+/// skips, with a message, when the SDK is not installed.
+fn run_sdk_script(script: &str, done: &str) {
+    if !tinker_sdk_installed() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
     let addr = start(config(dir.path()));
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/tinker_sdk_roundtrip.py");
     let out = Command::new("python3")
-        .arg(script)
+        .arg(format!("{}/tests/{script}", env!("CARGO_MANIFEST_DIR")))
         .env("TINKER_BASE_URL", format!("http://{addr}"))
         .env("TINKER_API_KEY", KEY)
         .env("FLOE_BASE_MODEL", BASE_MODEL)
@@ -33,11 +28,16 @@ fn tinker_sdk_trains_and_samples() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
         out.status.success(),
-        "SDK script failed ({})\nstdout:\n{stdout}\nstderr:\n{stderr}",
+        "{script} failed ({})\nstdout:\n{stdout}\nstderr:\n{stderr}",
         out.status
     );
     println!("{stdout}");
-    assert!(stdout.contains("SDK round trip OK"), "{stdout}");
+    assert!(stdout.contains(done), "{stdout}");
+}
+
+#[test]
+fn tinker_sdk_trains_and_samples() {
+    run_sdk_script("tinker_sdk_roundtrip.py", "SDK round trip OK");
 }
 
 /// Issue 6: a LoRA training client on the embedded tiny model trains its adapters on the
@@ -45,32 +45,5 @@ fn tinker_sdk_trains_and_samples() {
 /// identically (`tinker_sdk_lora.py` asserts the values).
 #[test]
 fn tinker_sdk_trains_lora_adapters() {
-    let has_sdk = Command::new("python3")
-        .args(["-c", "import tinker"])
-        .output()
-        .is_ok_and(|out| out.status.success());
-    if !has_sdk {
-        eprintln!("skipped: the tinker SDK is not installed (pip install tinker==0.38.0)");
-        return;
-    }
-    let dir = tempfile::tempdir().unwrap();
-    let addr = start(config(dir.path()));
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/tinker_sdk_lora.py");
-    let out = Command::new("python3")
-        .arg(script)
-        .env("TINKER_BASE_URL", format!("http://{addr}"))
-        .env("TINKER_API_KEY", KEY)
-        .env("FLOE_BASE_MODEL", BASE_MODEL)
-        .env("TINKER_TELEMETRY", "0")
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        out.status.success(),
-        "SDK LoRA script failed ({})\nstdout:\n{stdout}\nstderr:\n{stderr}",
-        out.status
-    );
-    println!("{stdout}");
-    assert!(stdout.contains("SDK LoRA OK"), "{stdout}");
+    run_sdk_script("tinker_sdk_lora.py", "SDK LoRA OK");
 }

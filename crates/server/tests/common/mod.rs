@@ -16,6 +16,18 @@ pub const KEY: &str = "tml-test-key";
 /// The base model name the test servers offer (the embedded tiny model).
 pub const BASE_MODEL: &str = "floe/tiny";
 
+/// Whether the `tinker` SDK can be imported; when not, says the test is skipped.
+pub fn tinker_sdk_installed() -> bool {
+    let installed = std::process::Command::new("python3")
+        .args(["-c", "import tinker"])
+        .output()
+        .is_ok_and(|out| out.status.success());
+    if !installed {
+        eprintln!("skipped: the tinker SDK is not installed (pip install tinker==0.38.0)");
+    }
+    installed
+}
+
 /// A test server's config: the embedded tiny model, small KV cache, short long-poll.
 pub fn config(data_dir: &Path) -> ServerConfig {
     ServerConfig {
