@@ -22,7 +22,7 @@ pub struct Args {
     /// Sampling temperature; default: the run's `generator.eval_sampling_params` (0 is
     /// greedy). With `--n 8 --temperature 1`, `pass_at_8_correct` shows how far sampling
     /// reaches beyond the greedy answer.
-    #[arg(long, value_name = "T")]
+    #[arg(long, value_name = "T", allow_negative_numbers = true)]
     temperature: Option<f64>,
     /// Write the generations here (JSONL); default: `<run_dir>/evals/`.
     #[arg(long, value_name = "FILE.jsonl")]
