@@ -14,9 +14,16 @@
 //! asks, over values training questions do mention. Templates are drawn round-robin, so
 //! every kind of question appears in both splits in similar proportions.
 //!
+//! Paraphrasing ([`SynthSqlOptions::paraphrase`]) asks a share of the questions that turn on
+//! a deciding word (an aggregate, a sort direction, a comparison) with a synonym instead
+//! ("mean" for "average", "below" for "less than"). Paraphrased training rows have no
+//! reference answer: a warm start learns only the house style, and the execution reward is
+//! the only teacher of the other words, as with users who ask in their own words.
+//!
 //! Each row's `extra_info` carries `db_id`, `db_path`, `difficulty` (1–5), `template`, the
-//! question's `constants`, and `reference_answer`, a completion in the expected format (its
-//! reasoning restates the question, then the plan) that a supervised warm start can train on.
+//! question's `constants`, `paraphrased`, and (unless a paraphrased training row)
+//! `reference_answer`, a completion in the expected format (its reasoning restates the
+//! question, then the plan) that a supervised warm start can train on.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt::Write as _;
@@ -50,6 +57,12 @@ pub struct SynthSqlOptions {
     /// Fraction held out for the test split: of each pool of constants
     /// ([`Holdout::Values`]) or of the distinct questions ([`Holdout::Questions`]).
     pub test_fraction: f64,
+    /// Fraction of the rows whose question has a deciding word (an aggregate, a sort
+    /// direction, a comparison) that ask it with a synonym the reference answers never use
+    /// ("mean" for "average", "above" for "greater than"). Paraphrased training rows carry no
+    /// reference answer: the labelled data keeps one house style, and only the execution
+    /// reward can teach what the other words mean.
+    pub paraphrase: f64,
 }
 
 /// What separates the test split from the training split.
@@ -85,6 +98,7 @@ impl Default for SynthSqlOptions {
             compact: true,
             holdout: Holdout::Values,
             test_fraction: 0.3,
+            paraphrase: 0.0,
         }
     }
 }
@@ -194,13 +208,17 @@ pub fn generate(out_dir: &Path, options: &SynthSqlOptions) -> Result<SynthSql, S
         if count > 0 && chosen.is_empty() {
             return Err(SynthSqlError::EmptySplit { split: name });
         }
+        // A stream of its own, so the questions drawn do not depend on `paraphrase`.
+        let mut phrasing = SplitMix64::new(options.seed, 200 + split_index as u64);
         rows.push(
             chosen
                 .iter()
                 .enumerate()
                 .map(|(index, q)| {
+                    let paraphrased = q.paraphrase.is_some() && phrasing.chance(options.paraphrase);
                     to_row(
                         q,
+                        paraphrased,
                         &databases[q.db],
                         &schemas[q.db],
                         name,
@@ -233,8 +251,11 @@ pub fn write_synth_sql(
     Ok(task)
 }
 
+/// The row of question `q`, asked with its paraphrase when `paraphrased`: a paraphrased
+/// training row has no reference answer.
 fn to_row(
     q: &Question,
+    paraphrased: bool,
     db_path: &Path,
     schema: &str,
     split: &str,
@@ -242,23 +263,30 @@ fn to_row(
     compact: bool,
 ) -> Row {
     let spec = &DATABASES[q.db];
+    let text = match &q.paraphrase {
+        Some(paraphrase) if paraphrased => paraphrase,
+        _ => &q.text,
+    };
     let mut extras = Map::new();
     extras.insert("db_id".into(), json!(spec.id));
     extras.insert("db_path".into(), json!(db_path.to_string_lossy()));
     extras.insert("difficulty".into(), json!(q.difficulty));
     extras.insert("template".into(), json!(q.template));
     extras.insert("constants".into(), json!(q.constants));
-    extras.insert("question".into(), json!(q.text));
+    extras.insert("question".into(), json!(text));
+    extras.insert("paraphrased".into(), json!(paraphrased));
     extras.insert("split".into(), json!(split));
-    extras.insert(
-        "reference_answer".into(),
-        json!(arctic_answer(
-            &format!("The question: {}\n{}", q.text, q.reasoning),
-            &q.sql
-        )),
-    );
+    if !(paraphrased && split == "train") {
+        extras.insert(
+            "reference_answer".into(),
+            json!(arctic_answer(
+                &format!("The question: {text}\n{}", q.reasoning),
+                &q.sql
+            )),
+        );
+    }
     Row::new(
-        arctic_prompt(schema, &q.text, compact),
+        arctic_prompt(schema, text, compact),
         format!("{DATA_SOURCE}_{}", spec.id),
         Some(crate::env::TEXT2SQL.to_string()),
         Some(json!(q.sql)),
@@ -875,6 +903,9 @@ struct Question {
     reasoning: String,
     /// The question's held-out-able values, as they appear in the text.
     constants: Vec<String>,
+    /// The same question with its deciding word replaced by a synonym
+    /// ([`SynthSqlOptions::paraphrase`]); `None` when it has no such word.
+    paraphrase: Option<String>,
 }
 
 /// A question under construction, with an optional query that must return two different
@@ -884,8 +915,22 @@ struct Draft {
     tie_check: Option<String>,
 }
 
-/// Aggregates as (SQL function, question word); `SUM` only for quantities that add up.
-const AGGREGATES: &[(&str, &str)] = &[("AVG", "average"), ("MAX", "highest"), ("MIN", "lowest")];
+/// A deciding word of a question as (SQL, word in the reference answers' style, synonym
+/// for [`SynthSqlOptions::paraphrase`]).
+type Decision = (&'static str, &'static str, &'static str);
+
+/// Aggregates; `SUM` only for quantities that add up.
+const AGGREGATES: &[Decision] = &[
+    ("AVG", "average", "mean"),
+    ("MAX", "highest", "maximum"),
+    ("MIN", "lowest", "minimum"),
+];
+
+/// Sort directions for "the row with the highest ...".
+const DIRECTIONS: &[Decision] = &[("DESC", "highest", "maximum"), ("ASC", "lowest", "minimum")];
+
+/// Comparisons with a threshold.
+const COMPARISONS: &[Decision] = &[(">", "greater than", "above"), ("<", "less than", "below")];
 
 /// Every question the templates can ask about one database whose gold answer is informative.
 /// Each constant pool (the distinct values a template slot takes) is appended to `pools`.
@@ -899,6 +944,7 @@ fn questions(
     let mut draft = |template: &'static str,
                      difficulty: u8,
                      text: String,
+                     paraphrase: Option<String>,
                      sql: String,
                      reasoning: String,
                      constants: Vec<String>,
@@ -912,6 +958,7 @@ fn questions(
                 sql,
                 reasoning,
                 constants,
+                paraphrase,
             },
             tie_check,
         })
@@ -959,6 +1006,7 @@ fn questions(
                             "What is the {} of the {} '{v}'?",
                             column.phrase, table.singular
                         ),
+                        None,
                         format!("SELECT {} FROM {t} WHERE {l} = '{v}'", column.name),
                         format!(
                             "Read {} from {t} for the row whose {l} is '{v}'.",
@@ -979,6 +1027,7 @@ fn questions(
                             "List the {label_plural} of {} whose {} is '{v}'.",
                             table.plural, cat.phrase
                         ),
+                        None,
                         format!("SELECT {l} FROM {t} WHERE {c} = '{v}'"),
                         format!("Select {l} from {t} where {c} is '{v}'."),
                         vec![v.clone()],
@@ -987,23 +1036,29 @@ fn questions(
                 }
                 for (num, _, _) in &thresholds {
                     let n = num.name;
-                    for (direction, word, reasoning_word) in [
-                        ("DESC", "highest", "descending"),
-                        ("ASC", "lowest", "ascending"),
-                    ] {
+                    for &(direction, word, synonym) in DIRECTIONS {
+                        let sorted = if direction == "DESC" {
+                            "descending"
+                        } else {
+                            "ascending"
+                        };
                         for v in values {
                             let filter = format!("FROM {t} WHERE {c} = '{v}'");
-                            draft(
-                                "order_limit",
-                                3,
+                            let text = |word: &str| {
                                 format!(
                                     "Which {} whose {} is '{v}' has the {word} {}?",
                                     table.singular, cat.phrase, num.phrase
-                                ),
+                                )
+                            };
+                            draft(
+                                "order_limit",
+                                3,
+                                text(word),
+                                Some(text(synonym)),
                                 format!("SELECT {l} {filter} ORDER BY {n} {direction} LIMIT 1"),
                                 format!(
-                                    "Filter {t} on {c} = '{v}', sort by {n} {reasoning_word} \
-                                     and keep the first {l}."
+                                    "Filter {t} on {c} = '{v}', sort by {n} {sorted} and keep \
+                                     the first {l}."
                                 ),
                                 vec![v.clone()],
                                 Some(format!(
@@ -1016,19 +1071,25 @@ fn questions(
             }
             for (num, _, values) in &thresholds {
                 let n = num.name;
-                for x in values {
-                    draft(
-                        "filter_number",
-                        2,
-                        format!(
-                            "List the {label_plural} of {} with {} greater than {x}.",
-                            table.plural, num.phrase
-                        ),
-                        format!("SELECT {l} FROM {t} WHERE {n} > {x}"),
-                        format!("Select {l} from {t} where {n} > {x}."),
-                        vec![x.to_string()],
-                        None,
-                    );
+                for &(op, word, synonym) in COMPARISONS {
+                    for x in values {
+                        let text = |word: &str| {
+                            format!(
+                                "List the {label_plural} of {} with {} {word} {x}.",
+                                table.plural, num.phrase
+                            )
+                        };
+                        draft(
+                            "filter_number",
+                            2,
+                            text(word),
+                            Some(text(synonym)),
+                            format!("SELECT {l} FROM {t} WHERE {n} {op} {x}"),
+                            format!("Select {l} from {t} where {n} {op} {x}."),
+                            vec![x.to_string()],
+                            None,
+                        );
+                    }
                 }
             }
         }
@@ -1040,6 +1101,7 @@ fn questions(
                     "count",
                     2,
                     format!("How many {} have {} '{v}'?", table.plural, cat.phrase),
+                    None,
                     format!("SELECT COUNT(*) FROM {t} WHERE {c} = '{v}'"),
                     format!("Count the rows of {t} where {c} is '{v}'."),
                     vec![v.clone()],
@@ -1047,14 +1109,18 @@ fn questions(
                 );
                 for (num, total, _) in &thresholds {
                     let n = num.name;
-                    for &(function, word) in aggregates(*total) {
-                        draft(
-                            "aggregate",
-                            3,
+                    for &(function, word, synonym) in aggregates(*total) {
+                        let text = |word: &str| {
                             format!(
                                 "What is the {word} {} of {} whose {} is '{v}'?",
                                 num.phrase, table.plural, cat.phrase
-                            ),
+                            )
+                        };
+                        draft(
+                            "aggregate",
+                            3,
+                            text(word),
+                            Some(text(synonym)),
                             format!("SELECT {function}({n}) FROM {t} WHERE {c} = '{v}'"),
                             format!(
                                 "Take {function} of {n} over the rows of {t} where {c} is '{v}'."
@@ -1067,19 +1133,27 @@ fn questions(
             }
             for (num, _, xs) in &thresholds {
                 let n = num.name;
-                for x in xs {
-                    draft(
-                        "group_by",
-                        3,
-                        format!(
-                            "For each {}, how many {} have {} greater than {x}?",
-                            cat.phrase, table.plural, num.phrase
-                        ),
-                        format!("SELECT {c}, COUNT(*) FROM {t} WHERE {n} > {x} GROUP BY {c}"),
-                        format!("Filter {t} on {n} > {x}, group by {c} and count the rows."),
-                        vec![x.to_string()],
-                        None,
-                    );
+                for &(op, word, synonym) in COMPARISONS {
+                    for x in xs {
+                        let text = |word: &str| {
+                            format!(
+                                "For each {}, how many {} have {} {word} {x}?",
+                                cat.phrase, table.plural, num.phrase
+                            )
+                        };
+                        draft(
+                            "group_by",
+                            3,
+                            text(word),
+                            Some(text(synonym)),
+                            format!(
+                                "SELECT {c}, COUNT(*) FROM {t} WHERE {n} {op} {x} GROUP BY {c}"
+                            ),
+                            format!("Filter {t} on {n} {op} {x}, group by {c} and count the rows."),
+                            vec![x.to_string()],
+                            None,
+                        );
+                    }
                 }
             }
         }
@@ -1109,6 +1183,7 @@ fn questions(
                             "How many {} are {verb} the {} '{v}'?",
                             table.plural, parent.singular
                         ),
+                        None,
                         format!("SELECT COUNT(*) {join} WHERE T2.{pl} = '{v}'"),
                         format!("{joined} and count the rows."),
                         vec![v.clone()],
@@ -1119,6 +1194,7 @@ fn questions(
                             "join_list",
                             4,
                             format!("List the {label_plural} of {subject}."),
+                            None,
                             format!("SELECT T1.{} {join} WHERE T2.{pl} = '{v}'", label.name),
                             format!("{joined} and select {t}.{}.", label.name),
                             vec![v.clone()],
@@ -1126,11 +1202,15 @@ fn questions(
                         );
                     }
                     for (num, total, _) in &thresholds {
-                        for &(function, word) in aggregates(*total) {
+                        for &(function, word, synonym) in aggregates(*total) {
+                            let text = |word: &str| {
+                                format!("What is the {word} {} of {subject}?", num.phrase)
+                            };
                             draft(
                                 "join_aggregate",
                                 5,
-                                format!("What is the {word} {} of {subject}?", num.phrase),
+                                text(word),
+                                Some(text(synonym)),
                                 format!(
                                     "SELECT {function}(T1.{}) {join} WHERE T2.{pl} = '{v}'",
                                     num.name
@@ -1153,6 +1233,7 @@ fn questions(
                             "How many {} are {verb} {} whose {} is '{v}'?",
                             table.plural, parent.plural, cat.phrase
                         ),
+                        None,
                         format!("SELECT COUNT(*) {join} WHERE T2.{c} = '{v}'"),
                         format!(
                             "Join {t} to {p} on {}, keep {p}.{c} = '{v}' and count the rows.",
@@ -1179,12 +1260,12 @@ fn questions(
     Ok(kept)
 }
 
-fn aggregates(total: bool) -> &'static [(&'static str, &'static str)] {
-    const WITH_TOTAL: &[(&str, &str)] = &[
-        ("AVG", "average"),
-        ("MAX", "highest"),
-        ("MIN", "lowest"),
-        ("SUM", "total"),
+fn aggregates(total: bool) -> &'static [Decision] {
+    const WITH_TOTAL: &[Decision] = &[
+        ("AVG", "average", "mean"),
+        ("MAX", "highest", "maximum"),
+        ("MIN", "lowest", "minimum"),
+        ("SUM", "total", "combined"),
     ];
     if total {
         WITH_TOTAL

@@ -110,18 +110,19 @@ fn gold_sql_runs_and_test_values_are_held_out() {
 #[test]
 fn question_holdout_asks_unseen_questions_about_seen_values() {
     let dir = tempfile::tempdir().unwrap();
-    // Enough training rows to take every distinct training question at least once.
+    // Enough training rows to take every distinct training question at least once: rows are
+    // drawn round-robin over templates, so the largest template sets the number.
     let task = generate(
         dir.path(),
         &SynthSqlOptions {
             holdout: Holdout::Questions,
-            train: 4000,
+            train: 8000,
             ..options(3)
         },
     )
     .unwrap();
     assert!(
-        task.distinct_questions.0 <= 4000,
+        task.distinct_questions.0 <= 8000,
         "{:?}",
         task.distinct_questions
     );
@@ -221,6 +222,69 @@ fn reference_answers_earn_full_reward() {
             .make(row.env_class.as_deref().unwrap(), &row.extras)
             .unwrap();
         let answer = row.extra_info()["answer"].as_str().unwrap();
+        assert_eq!(env.step(answer).unwrap().reward, 1.0, "{answer}");
+    }
+}
+
+/// Paraphrasing swaps only the deciding word, leaves the questions drawn unchanged, and
+/// unlabels exactly the paraphrased training rows; a paraphrased test row keeps a reference
+/// answer that earns full reward.
+#[test]
+fn paraphrased_rows_are_unlabelled_synonyms_of_the_same_questions() {
+    let (plain_dir, para_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let plain = generate(plain_dir.path(), &options(4)).unwrap();
+    let para = generate(
+        para_dir.path(),
+        &SynthSqlOptions {
+            paraphrase: 0.5,
+            ..options(4)
+        },
+    )
+    .unwrap();
+    let synonyms = ["mean", "maximum", "minimum", "combined", "above", "below"];
+    let mut paraphrased = 0;
+    for (split, (a, b)) in [
+        ("train", (&plain.train, &para.train)),
+        ("test", (&plain.test, &para.test)),
+    ] {
+        assert_eq!(a.len(), b.len());
+        for (a, b) in a.iter().zip(b.iter()) {
+            let (ea, eb) = (a.extra_info(), b.extra_info());
+            assert_eq!(ea["template"], eb["template"]);
+            assert_eq!(a.ground_truth, b.ground_truth, "same gold SQL");
+            assert_eq!(ea["paraphrased"], false);
+            if eb["paraphrased"] == true {
+                paraphrased += 1;
+                let question = eb["question"].as_str().unwrap();
+                assert_ne!(ea["question"], eb["question"]);
+                assert!(synonyms.iter().any(|s| question.contains(s)), "{question}");
+                assert_eq!(
+                    eb.get("reference_answer").is_some(),
+                    split == "test",
+                    "{split}: {question}"
+                );
+            } else {
+                assert_eq!(ea["question"], eb["question"]);
+                assert!(eb.get("reference_answer").is_some());
+            }
+        }
+    }
+    // About half of the rows with a deciding word (5 of 11 templates).
+    let rows = para.train.len() + para.test.len();
+    assert!(
+        (rows / 8..rows / 3).contains(&paraphrased),
+        "{paraphrased} of {rows} rows paraphrased"
+    );
+    let registry = floe_env::env::Registry::with_builtins();
+    for row in para
+        .test
+        .iter()
+        .filter(|r| r.extra_info()["paraphrased"] == true)
+    {
+        let mut env = registry
+            .make(row.env_class.as_deref().unwrap(), &row.extras)
+            .unwrap();
+        let answer = row.extra_info()["reference_answer"].as_str().unwrap();
         assert_eq!(env.step(answer).unwrap().reward, 1.0, "{answer}");
     }
 }

@@ -14,9 +14,13 @@ use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 use std::path::{Path, PathBuf};
 
+use floe_env::dataset::Row;
 use floe_env::synth_sql::Holdout;
 use floe_rl::{AdvantageEstimator, LossReduction, RlError};
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+use crate::data::row_database;
+use crate::embedded::reference_answer;
 
 /// `[trainer.algorithm]`: advantage estimator, policy loss, KL and loss reduction, owned by
 /// the RL math crate.
@@ -72,6 +76,10 @@ pub struct DataConfig {
     /// What `synthetic:sql`'s validation split holds out: `values` (every constant it
     /// names is absent from training) or `questions` (unseen combinations of seen values).
     pub synthetic_holdout: Holdout,
+    /// Fraction of `synthetic:sql` rows whose deciding word (aggregate, sort direction,
+    /// comparison) is a synonym the reference answers never use; such training rows are
+    /// unlabelled, so only the reward teaches them (0 to 1).
+    pub synthetic_paraphrase: f64,
     /// Shuffle the training prompts each epoch (seeded by `trainer.seed`).
     pub shuffle: bool,
 }
@@ -86,6 +94,7 @@ impl Default for DataConfig {
             synthetic_train_size: 2000,
             synthetic_val_size: 200,
             synthetic_holdout: Holdout::Values,
+            synthetic_paraphrase: 0.0,
             shuffle: true,
         }
     }
@@ -546,23 +555,23 @@ pub struct SftConfig {
 }
 
 impl SftConfig {
-    /// Which training rows, given in order by their database (`extra_info.db_id`), the warm
-    /// start learns from: the first `max_examples` (every row when unset), skipping the rows
-    /// of a database once its `max_examples_per_database` cap is reached.
-    pub fn example_mask<'a>(
-        &self,
-        databases: impl IntoIterator<Item = Option<&'a str>>,
-    ) -> Vec<bool> {
+    /// Which training rows the warm start learns from: of the rows with a reference answer
+    /// (`extra_info.reference_answer`), the first `max_examples` (every one when unset),
+    /// skipping the rows of a database (`extra_info.db_id`) once its
+    /// `max_examples_per_database` cap is reached. Rows without an answer (e.g. paraphrased
+    /// synthetic rows) are never examples and count against no cap.
+    pub fn example_mask<'a>(&self, rows: impl IntoIterator<Item = &'a Row>) -> Vec<bool> {
         let caps = self.max_examples_per_database.as_ref();
         let mut taken_per_database: HashMap<&str, usize> = HashMap::new();
         let mut taken = 0;
-        databases
-            .into_iter()
-            .map(|database| {
-                if self.max_examples.is_some_and(|max| taken >= max) {
+        rows.into_iter()
+            .map(|row| {
+                if reference_answer(row).is_none()
+                    || self.max_examples.is_some_and(|max| taken >= max)
+                {
                     return false;
                 }
-                if let Some(db) = database {
+                if let Some(db) = row_database(row) {
                     if let Some(&cap) = caps.and_then(|caps| caps.get(db)) {
                         let count = taken_per_database.entry(db).or_default();
                         if *count >= cap {
@@ -811,6 +820,12 @@ impl Config {
                  or a synthetic task (train_data = [\"synthetic:sql\"])"
                     .into(),
             );
+        }
+        let paraphrase = self.data.synthetic_paraphrase;
+        if !(0.0..=1.0).contains(&paraphrase) {
+            problems.push(format!(
+                "data.synthetic_paraphrase is {paraphrase}; it is a fraction of rows, from 0 to 1"
+            ));
         }
         if self.sft.enabled {
             for (key, value) in [

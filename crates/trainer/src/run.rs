@@ -133,7 +133,7 @@ fn labelled_rows<'a>(
     if !config.sft.enabled {
         return Ok(rows.map(|_| false).collect());
     }
-    Ok(config.sft.example_mask(rows.map(row_database)))
+    Ok(config.sft.example_mask(rows))
 }
 
 /// The environments of a run: the built-ins over a sandbox with `environment.sql`'s

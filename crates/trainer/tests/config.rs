@@ -2,6 +2,7 @@
 
 use std::path::Path;
 
+use floe_env::dataset::Row;
 use floe_trainer::config::{
     Config, ConfigError, Device, Logger, Resume, Scheduler, EFFECTIVE_CONFIG_FILE,
 };
@@ -280,6 +281,16 @@ fn batch_sizes_must_divide() {
 }
 
 #[test]
+fn paraphrase_is_a_fraction() {
+    let problems = invalid_messages(&["data.synthetic_paraphrase=1.5"]);
+    assert_eq!(problems.len(), 1, "{problems:?}");
+    assert!(
+        problems[0].contains("data.synthetic_paraphrase is 1.5"),
+        "{problems:?}"
+    );
+}
+
+#[test]
 fn kl_placements_are_exclusive() {
     let problems = invalid_messages(&[
         "trainer.algorithm.use_kl_loss=true",
@@ -442,14 +453,35 @@ fn per_database_caps_load_from_a_recipe_and_overrides() {
     let caps = config.sft.max_examples_per_database.clone().unwrap();
     assert_eq!((caps["shop"], caps["school"]), (1, 0));
 
-    // Rows in order: the caps skip later shop and every school row, and max_examples
-    // fills up from the rows after them.
-    let databases = [
-        "shop", "school", "shop", "library", "library", "school", "library", "library", "library",
-    ];
-    let mask = config.sft.example_mask(databases.iter().map(|&d| Some(d)));
+    // Rows in order: the caps skip later shop and every school row, rows without a
+    // reference answer are never examples, and max_examples fills up from the rows after
+    // them.
+    let rows: Vec<Row> = [
+        ("shop", true),
+        ("school", true),
+        ("shop", true),
+        ("library", true),
+        ("library", false),
+        ("library", true),
+        ("school", true),
+        ("library", true),
+        ("library", true),
+        ("library", true),
+    ]
+    .iter()
+    .enumerate()
+    .map(|(index, &(db, answered))| {
+        let mut extra_info = serde_json::Map::new();
+        extra_info.insert("db_id".into(), db.into());
+        if answered {
+            extra_info.insert("reference_answer".into(), "<answer>x</answer>".into());
+        }
+        Row::new(Vec::new(), "synth_sql", None, None, extra_info, index)
+    })
+    .collect();
+    let mask = config.sft.example_mask(&rows);
     assert_eq!(
         mask,
-        [true, false, false, true, true, false, true, true, false]
+        [true, false, false, true, false, true, false, true, true, false]
     );
 }

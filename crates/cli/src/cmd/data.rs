@@ -45,6 +45,11 @@ pub enum Command {
         /// question) or `questions` (unseen combinations of values training mentions).
         #[arg(long, default_value = "values")]
         holdout: synth_sql::Holdout,
+        /// Fraction of the questions with a deciding word (aggregate, sort direction,
+        /// comparison) asked with a synonym the reference answers never use; those training
+        /// rows carry no reference answer.
+        #[arg(long, default_value_t = 0.0, value_parser = fraction)]
+        paraphrase: f64,
         /// Annotated BIRD-style schema instead of the compact one-line-per-table schema.
         #[arg(long)]
         full_schema: bool,
@@ -117,6 +122,7 @@ pub fn run(command: Command) -> anyhow::Result<()> {
             train,
             test,
             holdout,
+            paraphrase,
             full_schema,
         } => {
             let options = synth_sql::SynthSqlOptions {
@@ -124,6 +130,7 @@ pub fn run(command: Command) -> anyhow::Result<()> {
                 train,
                 test,
                 holdout,
+                paraphrase,
                 compact: !full_schema,
                 ..Default::default()
             };
@@ -175,5 +182,13 @@ fn create_parent(path: &std::path::Path) -> anyhow::Result<()> {
         Some(dir) if !dir.as_os_str().is_empty() => std::fs::create_dir_all(dir)
             .with_context(|| format!("creating the folder {}", dir.display())),
         _ => Ok(()),
+    }
+}
+
+/// Parses a fraction from 0 to 1.
+fn fraction(text: &str) -> Result<f64, String> {
+    match text.parse::<f64>() {
+        Ok(value) if (0.0..=1.0).contains(&value) => Ok(value),
+        _ => Err(format!("`{text}` is not a fraction from 0 to 1")),
     }
 }

@@ -51,6 +51,11 @@ impl SplitMix64 {
         lo + self.below((hi - lo) as u64 + 1) as i64
     }
 
+    /// `true` with probability `p` (to within 2^-32).
+    pub(crate) fn chance(&mut self, p: f64) -> bool {
+        ((self.next_u64() >> 32) as f64) < p * (1u64 << 32) as f64
+    }
+
     /// A uniformly chosen element of a non-empty slice.
     pub(crate) fn pick<'a, T>(&mut self, items: &'a [T]) -> &'a T {
         &items[self.below(items.len() as u64) as usize]
