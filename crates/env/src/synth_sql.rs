@@ -4,7 +4,8 @@
 //! keys, tens of rows) are filled deterministically from a seed. Questions come from eleven
 //! regular templates of graded difficulty, each with gold SQL that is executed at generation
 //! time; questions whose answer is empty, NULL, a zero count or a tie under `LIMIT 1` are
-//! skipped. Prompts use the same Arctic format as BIRD ([`crate::bird::arctic_prompt`]) over
+//! skipped, and so are those whose deciding word does not change the answer (any aggregate
+//! of a single row). Prompts use the same Arctic format as BIRD ([`crate::bird::arctic_prompt`]) over
 //! the compact one-line-per-table schema, so a whole prompt stays within a few hundred tokens.
 //!
 //! Two ways to hold questions out ([`Holdout`]): by value, where every constant that appears
@@ -14,14 +15,13 @@
 //! asks, over values training questions do mention. Templates are drawn round-robin, so
 //! every kind of question appears in both splits in similar proportions.
 //!
-//! Paraphrasing ([`SynthSqlOptions::paraphrase`]) asks a share of the questions that turn on
-//! a deciding word (an aggregate, a sort direction, a comparison) with a synonym instead
-//! ("mean" for "average", "below" for "less than"). Paraphrased training rows have no
-//! reference answer: a warm start learns only the house style, and the execution reward is
-//! the only teacher of the other words, as with users who ask in their own words.
+//! A confused teacher ([`SynthSqlOptions::decision_confusion`]) writes some training rows'
+//! reference answers with the deciding word of the question (an aggregate, a sort
+//! direction, a comparison) mistaken for another: a warm start on them learns the confusion,
+//! and only the execution reward, which checks the gold SQL, can correct it.
 //!
 //! Each row's `extra_info` carries `db_id`, `db_path`, `difficulty` (1–5), `template`, the
-//! question's `constants`, `paraphrased`, and (unless a paraphrased training row)
+//! question's `constants`, `confused` (whether its reference answer is), and
 //! `reference_answer`, a completion in the expected format (its reasoning restates the
 //! question, then the plan) that a supervised warm start can train on.
 
@@ -57,12 +57,13 @@ pub struct SynthSqlOptions {
     /// Fraction held out for the test split: of each pool of constants
     /// ([`Holdout::Values`]) or of the distinct questions ([`Holdout::Questions`]).
     pub test_fraction: f64,
-    /// Fraction of the rows whose question has a deciding word (an aggregate, a sort
-    /// direction, a comparison) that ask it with a synonym the reference answers never use
-    /// ("mean" for "average", "above" for "greater than"). Paraphrased training rows carry no
-    /// reference answer: the labelled data keeps one house style, and only the execution
-    /// reward can teach what the other words mean.
-    pub paraphrase: f64,
+    /// Fraction of the training rows whose question turns on a deciding word (an aggregate,
+    /// a sort direction, a comparison) whose reference answer, reasoning and SQL, takes the
+    /// next option of that decision instead: ascending for "highest", `<` for "greater
+    /// than", `MIN` for "highest", as a teacher that mixes the words up would write. The
+    /// gold SQL the reward checks stays right. Above 0.5 a warm start learns the wrong
+    /// meaning of each word, which only the reward can correct.
+    pub decision_confusion: f64,
 }
 
 /// What separates the test split from the training split.
@@ -98,7 +99,7 @@ impl Default for SynthSqlOptions {
             compact: true,
             holdout: Holdout::Values,
             test_fraction: 0.3,
-            paraphrase: 0.0,
+            decision_confusion: 0.0,
         }
     }
 }
@@ -208,17 +209,24 @@ pub fn generate(out_dir: &Path, options: &SynthSqlOptions) -> Result<SynthSql, S
         if count > 0 && chosen.is_empty() {
             return Err(SynthSqlError::EmptySplit { split: name });
         }
-        // A stream of its own, so the questions drawn do not depend on `paraphrase`.
-        let mut phrasing = SplitMix64::new(options.seed, 200 + split_index as u64);
+        // A stream of its own, so the questions drawn do not depend on the confusion.
+        let mut teacher = SplitMix64::new(options.seed, 200 + split_index as u64);
         rows.push(
             chosen
                 .iter()
                 .enumerate()
                 .map(|(index, q)| {
-                    let paraphrased = q.paraphrase.is_some() && phrasing.chance(options.paraphrase);
+                    let confused = match &q.confused {
+                        Some(answer)
+                            if name == "train" && teacher.chance(options.decision_confusion) =>
+                        {
+                            Some(answer)
+                        }
+                        _ => None,
+                    };
                     to_row(
                         q,
-                        paraphrased,
+                        confused,
                         &databases[q.db],
                         &schemas[q.db],
                         name,
@@ -251,11 +259,10 @@ pub fn write_synth_sql(
     Ok(task)
 }
 
-/// The row of question `q`, asked with its paraphrase when `paraphrased`: a paraphrased
-/// training row has no reference answer.
+/// The row of question `q`; a `confused` (reasoning, SQL) replaces the reference answer's.
 fn to_row(
     q: &Question,
-    paraphrased: bool,
+    confused: Option<&(String, String)>,
     db_path: &Path,
     schema: &str,
     split: &str,
@@ -263,30 +270,25 @@ fn to_row(
     compact: bool,
 ) -> Row {
     let spec = &DATABASES[q.db];
-    let text = match &q.paraphrase {
-        Some(paraphrase) if paraphrased => paraphrase,
-        _ => &q.text,
-    };
+    let (reasoning, sql) = confused.map_or((&q.reasoning, &q.sql), |(r, s)| (r, s));
     let mut extras = Map::new();
     extras.insert("db_id".into(), json!(spec.id));
     extras.insert("db_path".into(), json!(db_path.to_string_lossy()));
     extras.insert("difficulty".into(), json!(q.difficulty));
     extras.insert("template".into(), json!(q.template));
     extras.insert("constants".into(), json!(q.constants));
-    extras.insert("question".into(), json!(text));
-    extras.insert("paraphrased".into(), json!(paraphrased));
+    extras.insert("question".into(), json!(q.text));
+    extras.insert("confused".into(), json!(confused.is_some()));
     extras.insert("split".into(), json!(split));
-    if !(paraphrased && split == "train") {
-        extras.insert(
-            "reference_answer".into(),
-            json!(arctic_answer(
-                &format!("The question: {text}\n{}", q.reasoning),
-                &q.sql
-            )),
-        );
-    }
+    extras.insert(
+        "reference_answer".into(),
+        json!(arctic_answer(
+            &format!("The question: {}\n{reasoning}", q.text),
+            sql
+        )),
+    );
     Row::new(
-        arctic_prompt(schema, text, compact),
+        arctic_prompt(schema, &q.text, compact),
         format!("{DATA_SOURCE}_{}", spec.id),
         Some(crate::env::TEXT2SQL.to_string()),
         Some(json!(q.sql)),
@@ -903,9 +905,20 @@ struct Question {
     reasoning: String,
     /// The question's held-out-able values, as they appear in the text.
     constants: Vec<String>,
-    /// The same question with its deciding word replaced by a synonym
-    /// ([`SynthSqlOptions::paraphrase`]); `None` when it has no such word.
-    paraphrase: Option<String>,
+    /// (reasoning, SQL) with the deciding word mistaken for the next option of its decision
+    /// ([`SynthSqlOptions::decision_confusion`]); `None` without a deciding word.
+    confused: Option<(String, String)>,
+}
+
+/// The (reasoning, SQL) of `answer` for the option after `current` in `options`, as a
+/// teacher that confuses the deciding word writes it.
+fn confused(
+    options: &[Decision],
+    current: &str,
+    answer: impl Fn(&str) -> (String, String),
+) -> Option<(String, String)> {
+    let index = options.iter().position(|&(sql, _)| sql == current)?;
+    Some(answer(options[(index + 1) % options.len()].0))
 }
 
 /// A question under construction, with an optional query that must return two different
@@ -915,22 +928,18 @@ struct Draft {
     tie_check: Option<String>,
 }
 
-/// A deciding word of a question as (SQL, word in the reference answers' style, synonym
-/// for [`SynthSqlOptions::paraphrase`]).
-type Decision = (&'static str, &'static str, &'static str);
+/// A deciding word of a question as (SQL, word). The options of a decision are listed in
+/// the order a confused teacher mixes them up: each one for the next.
+type Decision = (&'static str, &'static str);
 
 /// Aggregates; `SUM` only for quantities that add up.
-const AGGREGATES: &[Decision] = &[
-    ("AVG", "average", "mean"),
-    ("MAX", "highest", "maximum"),
-    ("MIN", "lowest", "minimum"),
-];
+const AGGREGATES: &[Decision] = &[("AVG", "average"), ("MAX", "highest"), ("MIN", "lowest")];
 
 /// Sort directions for "the row with the highest ...".
-const DIRECTIONS: &[Decision] = &[("DESC", "highest", "maximum"), ("ASC", "lowest", "minimum")];
+const DIRECTIONS: &[Decision] = &[("DESC", "highest"), ("ASC", "lowest")];
 
 /// Comparisons with a threshold.
-const COMPARISONS: &[Decision] = &[(">", "greater than", "above"), ("<", "less than", "below")];
+const COMPARISONS: &[Decision] = &[(">", "greater than"), ("<", "less than")];
 
 /// Every question the templates can ask about one database whose gold answer is informative.
 /// Each constant pool (the distinct values a template slot takes) is appended to `pools`.
@@ -944,7 +953,7 @@ fn questions(
     let mut draft = |template: &'static str,
                      difficulty: u8,
                      text: String,
-                     paraphrase: Option<String>,
+                     confused: Option<(String, String)>,
                      sql: String,
                      reasoning: String,
                      constants: Vec<String>,
@@ -958,7 +967,7 @@ fn questions(
                 sql,
                 reasoning,
                 constants,
-                paraphrase,
+                confused,
             },
             tie_check,
         })
@@ -1036,30 +1045,34 @@ fn questions(
                 }
                 for (num, _, _) in &thresholds {
                     let n = num.name;
-                    for &(direction, word, synonym) in DIRECTIONS {
-                        let sorted = if direction == "DESC" {
-                            "descending"
-                        } else {
-                            "ascending"
-                        };
+                    for &(direction, word) in DIRECTIONS {
                         for v in values {
                             let filter = format!("FROM {t} WHERE {c} = '{v}'");
-                            let text = |word: &str| {
-                                format!(
-                                    "Which {} whose {} is '{v}' has the {word} {}?",
-                                    table.singular, cat.phrase, num.phrase
+                            let answer = |direction: &str| {
+                                let sorted = if direction == "DESC" {
+                                    "descending"
+                                } else {
+                                    "ascending"
+                                };
+                                (
+                                    format!(
+                                        "Filter {t} on {c} = '{v}', sort by {n} {sorted} and \
+                                         keep the first {l}."
+                                    ),
+                                    format!("SELECT {l} {filter} ORDER BY {n} {direction} LIMIT 1"),
                                 )
                             };
+                            let (reasoning, sql) = answer(direction);
                             draft(
                                 "order_limit",
                                 3,
-                                text(word),
-                                Some(text(synonym)),
-                                format!("SELECT {l} {filter} ORDER BY {n} {direction} LIMIT 1"),
                                 format!(
-                                    "Filter {t} on {c} = '{v}', sort by {n} {sorted} and keep \
-                                     the first {l}."
+                                    "Which {} whose {} is '{v}' has the {word} {}?",
+                                    table.singular, cat.phrase, num.phrase
                                 ),
+                                confused(DIRECTIONS, direction, answer),
+                                sql,
+                                reasoning,
                                 vec![v.clone()],
                                 Some(format!(
                                     "SELECT {n} {filter} ORDER BY {n} {direction} LIMIT 2"
@@ -1071,21 +1084,25 @@ fn questions(
             }
             for (num, _, values) in &thresholds {
                 let n = num.name;
-                for &(op, word, synonym) in COMPARISONS {
+                for &(op, word) in COMPARISONS {
                     for x in values {
-                        let text = |word: &str| {
-                            format!(
-                                "List the {label_plural} of {} with {} {word} {x}.",
-                                table.plural, num.phrase
+                        let answer = |op: &str| {
+                            (
+                                format!("Select {l} from {t} where {n} {op} {x}."),
+                                format!("SELECT {l} FROM {t} WHERE {n} {op} {x}"),
                             )
                         };
+                        let (reasoning, sql) = answer(op);
                         draft(
                             "filter_number",
                             2,
-                            text(word),
-                            Some(text(synonym)),
-                            format!("SELECT {l} FROM {t} WHERE {n} {op} {x}"),
-                            format!("Select {l} from {t} where {n} {op} {x}."),
+                            format!(
+                                "List the {label_plural} of {} with {} {word} {x}.",
+                                table.plural, num.phrase
+                            ),
+                            confused(COMPARISONS, op, answer),
+                            sql,
+                            reasoning,
                             vec![x.to_string()],
                             None,
                         );
@@ -1109,22 +1126,28 @@ fn questions(
                 );
                 for (num, total, _) in &thresholds {
                     let n = num.name;
-                    for &(function, word, synonym) in aggregates(*total) {
-                        let text = |word: &str| {
-                            format!(
-                                "What is the {word} {} of {} whose {} is '{v}'?",
-                                num.phrase, table.plural, cat.phrase
+                    let options = aggregates(*total);
+                    for &(function, word) in options {
+                        let answer = |function: &str| {
+                            (
+                                format!(
+                                    "Take {function} of {n} over the rows of {t} where {c} is \
+                                     '{v}'."
+                                ),
+                                format!("SELECT {function}({n}) FROM {t} WHERE {c} = '{v}'"),
                             )
                         };
+                        let (reasoning, sql) = answer(function);
                         draft(
                             "aggregate",
                             3,
-                            text(word),
-                            Some(text(synonym)),
-                            format!("SELECT {function}({n}) FROM {t} WHERE {c} = '{v}'"),
                             format!(
-                                "Take {function} of {n} over the rows of {t} where {c} is '{v}'."
+                                "What is the {word} {} of {} whose {} is '{v}'?",
+                                num.phrase, table.plural, cat.phrase
                             ),
+                            confused(options, function, answer),
+                            sql,
+                            reasoning,
                             vec![v.clone()],
                             None,
                         );
@@ -1133,23 +1156,29 @@ fn questions(
             }
             for (num, _, xs) in &thresholds {
                 let n = num.name;
-                for &(op, word, synonym) in COMPARISONS {
+                for &(op, word) in COMPARISONS {
                     for x in xs {
-                        let text = |word: &str| {
-                            format!(
-                                "For each {}, how many {} have {} {word} {x}?",
-                                cat.phrase, table.plural, num.phrase
+                        let answer = |op: &str| {
+                            (
+                                format!(
+                                    "Filter {t} on {n} {op} {x}, group by {c} and count the rows."
+                                ),
+                                format!(
+                                    "SELECT {c}, COUNT(*) FROM {t} WHERE {n} {op} {x} GROUP BY {c}"
+                                ),
                             )
                         };
+                        let (reasoning, sql) = answer(op);
                         draft(
                             "group_by",
                             3,
-                            text(word),
-                            Some(text(synonym)),
                             format!(
-                                "SELECT {c}, COUNT(*) FROM {t} WHERE {n} {op} {x} GROUP BY {c}"
+                                "For each {}, how many {} have {} {word} {x}?",
+                                cat.phrase, table.plural, num.phrase
                             ),
-                            format!("Filter {t} on {n} {op} {x}, group by {c} and count the rows."),
+                            confused(COMPARISONS, op, answer),
+                            sql,
+                            reasoning,
                             vec![x.to_string()],
                             None,
                         );
@@ -1202,20 +1231,25 @@ fn questions(
                         );
                     }
                     for (num, total, _) in &thresholds {
-                        for &(function, word, synonym) in aggregates(*total) {
-                            let text = |word: &str| {
-                                format!("What is the {word} {} of {subject}?", num.phrase)
+                        let options = aggregates(*total);
+                        for &(function, word) in options {
+                            let answer = |function: &str| {
+                                (
+                                    format!("{joined} and take {function} of {t}.{}.", num.name),
+                                    format!(
+                                        "SELECT {function}(T1.{}) {join} WHERE T2.{pl} = '{v}'",
+                                        num.name
+                                    ),
+                                )
                             };
+                            let (reasoning, sql) = answer(function);
                             draft(
                                 "join_aggregate",
                                 5,
-                                text(word),
-                                Some(text(synonym)),
-                                format!(
-                                    "SELECT {function}(T1.{}) {join} WHERE T2.{pl} = '{v}'",
-                                    num.name
-                                ),
-                                format!("{joined} and take {function} of {t}.{}.", num.name),
+                                format!("What is the {word} {} of {subject}?", num.phrase),
+                                confused(options, function, answer),
+                                sql,
+                                reasoning,
                                 vec![v.clone()],
                                 None,
                             );
@@ -1253,7 +1287,10 @@ fn questions(
         tie_check,
     } in drafts
     {
-        if informative(conn, &question.sql)? && unambiguous(conn, tie_check.as_deref())? {
+        if informative(conn, &question.sql)?
+            && unambiguous(conn, tie_check.as_deref())?
+            && decisive(conn, &question)?
+        {
             kept.push(question);
         }
     }
@@ -1262,10 +1299,10 @@ fn questions(
 
 fn aggregates(total: bool) -> &'static [Decision] {
     const WITH_TOTAL: &[Decision] = &[
-        ("AVG", "average", "mean"),
-        ("MAX", "highest", "maximum"),
-        ("MIN", "lowest", "minimum"),
-        ("SUM", "total", "combined"),
+        ("AVG", "average"),
+        ("MAX", "highest"),
+        ("MIN", "lowest"),
+        ("SUM", "total"),
     ];
     if total {
         WITH_TOTAL
@@ -1298,12 +1335,18 @@ fn distinct_text(conn: &Connection, table: &str, column: &str) -> rusqlite::Resu
 
 /// Whether a gold query's answer tells a right query from a wrong one: at least one row, not
 /// all NULL, and not a lone zero count.
-fn informative(conn: &Connection, sql: &str) -> rusqlite::Result<bool> {
+/// The rows `sql` returns, in its order.
+fn result(conn: &Connection, sql: &str) -> rusqlite::Result<Vec<Vec<SqlValue>>> {
     let mut stmt = conn.prepare(sql)?;
     let width = stmt.column_count();
-    let rows: Vec<Vec<SqlValue>> = stmt
+    let rows = stmt
         .query_map([], |row| (0..width).map(|i| row.get(i)).collect())?
         .collect::<rusqlite::Result<_>>()?;
+    Ok(rows)
+}
+
+fn informative(conn: &Connection, sql: &str) -> rusqlite::Result<bool> {
+    let rows = result(conn, sql)?;
     let all_null = rows.iter().flatten().all(|v| *v == SqlValue::Null);
     let zero_count = rows.len() == 1 && rows[0] == [SqlValue::Integer(0)];
     Ok(!rows.is_empty() && !all_null && !zero_count)
@@ -1318,6 +1361,28 @@ fn unambiguous(conn: &Connection, tie_check: Option<&str>) -> rusqlite::Result<b
         .query_map([], |row| row.get(0))?
         .collect::<rusqlite::Result<_>>()?;
     Ok(values.len() < 2 || values[0] != values[1])
+}
+
+/// Whether the question's deciding word changes its answer: over a single row, say, every
+/// aggregate and sort direction gives the same one, and the word teaches nothing.
+fn decisive(conn: &Connection, question: &Question) -> rusqlite::Result<bool> {
+    let Some((_, confused_sql)) = &question.confused else {
+        return Ok(true);
+    };
+    // As the reward compares them: 10 and 10.0 are one answer.
+    let numeric = |rows: Vec<Vec<SqlValue>>| -> Vec<Vec<SqlValue>> {
+        rows.into_iter()
+            .map(|row| {
+                row.into_iter()
+                    .map(|v| match v {
+                        SqlValue::Integer(i) => SqlValue::Real(i as f64),
+                        v => v,
+                    })
+                    .collect()
+            })
+            .collect()
+    };
+    Ok(numeric(result(conn, &question.sql)?) != numeric(result(conn, confused_sql)?))
 }
 
 /// A one-line summary of a generated task, for the CLI.

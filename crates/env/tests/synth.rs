@@ -226,65 +226,89 @@ fn reference_answers_earn_full_reward() {
     }
 }
 
-/// Paraphrasing swaps only the deciding word, leaves the questions drawn unchanged, and
-/// unlabels exactly the paraphrased training rows; a paraphrased test row keeps a reference
-/// answer that earns full reward.
+/// A confused teacher changes only the training rows' reference answers, and only at the
+/// deciding word, always the same way (ascending for "highest"); the questions, the gold SQL
+/// the reward checks and the test split stay as they were, and the confused answers lose
+/// the reward they mislabel.
 #[test]
-fn paraphrased_rows_are_unlabelled_synonyms_of_the_same_questions() {
-    let (plain_dir, para_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+fn confused_answers_mistake_only_the_deciding_word() {
+    let (plain_dir, confused_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
     let plain = generate(plain_dir.path(), &options(4)).unwrap();
-    let para = generate(
-        para_dir.path(),
+    let confused = generate(
+        confused_dir.path(),
         &SynthSqlOptions {
-            paraphrase: 0.5,
+            decision_confusion: 1.0,
             ..options(4)
         },
     )
     .unwrap();
-    let synonyms = ["mean", "maximum", "minimum", "combined", "above", "below"];
-    let mut paraphrased = 0;
+    let sql_of = |row: &Row| {
+        let answer = row.extra_info()["reference_answer"].as_str().unwrap();
+        let start = answer.find("```sql").unwrap() + "```sql".len();
+        answer[start..start + answer[start..].find("```").unwrap()]
+            .trim()
+            .to_string()
+    };
+    let deciding = [
+        "order_limit",
+        "filter_number",
+        "aggregate",
+        "group_by",
+        "join_aggregate",
+    ];
+    let registry = floe_env::env::Registry::with_builtins();
+    let mut rewarded = 0;
     for (split, (a, b)) in [
-        ("train", (&plain.train, &para.train)),
-        ("test", (&plain.test, &para.test)),
+        ("train", (&plain.train, &confused.train)),
+        ("test", (&plain.test, &confused.test)),
     ] {
         assert_eq!(a.len(), b.len());
         for (a, b) in a.iter().zip(b.iter()) {
             let (ea, eb) = (a.extra_info(), b.extra_info());
-            assert_eq!(ea["template"], eb["template"]);
+            assert_eq!(ea["question"], eb["question"]);
             assert_eq!(a.ground_truth, b.ground_truth, "same gold SQL");
-            assert_eq!(ea["paraphrased"], false);
-            if eb["paraphrased"] == true {
-                paraphrased += 1;
-                let question = eb["question"].as_str().unwrap();
-                assert_ne!(ea["question"], eb["question"]);
-                assert!(synonyms.iter().any(|s| question.contains(s)), "{question}");
-                assert_eq!(
-                    eb.get("reference_answer").is_some(),
-                    split == "test",
-                    "{split}: {question}"
-                );
-            } else {
-                assert_eq!(ea["question"], eb["question"]);
-                assert!(eb.get("reference_answer").is_some());
+            let template = eb["template"].as_str().unwrap();
+            let is_confused = split == "train" && deciding.contains(&template);
+            assert_eq!(eb["confused"], is_confused, "{split} {template}");
+            if !is_confused {
+                assert_eq!(ea["reference_answer"], eb["reference_answer"]);
+                continue;
+            }
+            let (gold, taught) = (sql_of(a), sql_of(b));
+            let changed: Vec<(&str, &str)> = gold
+                .split(' ')
+                .zip(taught.split(' '))
+                .filter(|(g, t)| g != t)
+                .collect();
+            assert_eq!(changed.len(), 1, "{gold} / {taught}");
+            let function = |token: &str| token.split('(').next().unwrap().to_string();
+            let (g, t) = (function(changed[0].0), function(changed[0].1));
+            let next: &[&str] = match g.as_str() {
+                "DESC" => &["ASC"],
+                "ASC" => &["DESC"],
+                ">" => &["<"],
+                "<" => &[">"],
+                "AVG" => &["MAX"],
+                "MAX" => &["MIN"],
+                "MIN" => &["SUM", "AVG"],
+                "SUM" => &["AVG"],
+                other => panic!("{other} is no deciding word: {gold}"),
+            };
+            assert!(next.contains(&t.as_str()), "{gold} / {taught}");
+            let mut env = registry
+                .make(b.env_class.as_deref().unwrap(), &b.extras)
+                .unwrap();
+            let answer = eb["reference_answer"].as_str().unwrap();
+            if env.step(answer).unwrap().reward >= 1.0 {
+                rewarded += 1;
             }
         }
     }
-    // About half of the rows with a deciding word (5 of 11 templates).
-    let rows = para.train.len() + para.test.len();
-    assert!(
-        (rows / 8..rows / 3).contains(&paraphrased),
-        "{paraphrased} of {rows} rows paraphrased"
-    );
-    let registry = floe_env::env::Registry::with_builtins();
-    for row in para
-        .test
+    let confused_rows = confused
+        .train
         .iter()
-        .filter(|r| r.extra_info()["paraphrased"] == true)
-    {
-        let mut env = registry
-            .make(row.env_class.as_deref().unwrap(), &row.extras)
-            .unwrap();
-        let answer = row.extra_info()["reference_answer"].as_str().unwrap();
-        assert_eq!(env.step(answer).unwrap().reward, 1.0, "{answer}");
-    }
+        .filter(|r| r.extra_info()["confused"] == true)
+        .count();
+    assert!(confused_rows > 60, "{confused_rows} confused rows");
+    assert_eq!(rewarded, 0, "confused answers that earn full reward");
 }

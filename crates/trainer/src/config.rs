@@ -76,10 +76,10 @@ pub struct DataConfig {
     /// What `synthetic:sql`'s validation split holds out: `values` (every constant it
     /// names is absent from training) or `questions` (unseen combinations of seen values).
     pub synthetic_holdout: Holdout,
-    /// Fraction of `synthetic:sql` rows whose deciding word (aggregate, sort direction,
-    /// comparison) is a synonym the reference answers never use; such training rows are
-    /// unlabelled, so only the reward teaches them (0 to 1).
-    pub synthetic_paraphrase: f64,
+    /// Fraction of `synthetic:sql` training rows whose reference answer mistakes the
+    /// question's deciding word (aggregate, sort direction, comparison) for another, as a
+    /// confused teacher would; the reward's gold SQL stays right (0 to 1).
+    pub synthetic_decision_confusion: f64,
     /// Shuffle the training prompts each epoch (seeded by `trainer.seed`).
     pub shuffle: bool,
 }
@@ -94,7 +94,7 @@ impl Default for DataConfig {
             synthetic_train_size: 2000,
             synthetic_val_size: 200,
             synthetic_holdout: Holdout::Values,
-            synthetic_paraphrase: 0.0,
+            synthetic_decision_confusion: 0.0,
             shuffle: true,
         }
     }
@@ -558,8 +558,8 @@ impl SftConfig {
     /// Which training rows the warm start learns from: of the rows with a reference answer
     /// (`extra_info.reference_answer`), the first `max_examples` (every one when unset),
     /// skipping the rows of a database (`extra_info.db_id`) once its
-    /// `max_examples_per_database` cap is reached. Rows without an answer (e.g. paraphrased
-    /// synthetic rows) are never examples and count against no cap.
+    /// `max_examples_per_database` cap is reached. Rows without an answer are never examples
+    /// and count against no cap.
     pub fn example_mask<'a>(&self, rows: impl IntoIterator<Item = &'a Row>) -> Vec<bool> {
         let caps = self.max_examples_per_database.as_ref();
         let mut taken_per_database: HashMap<&str, usize> = HashMap::new();
@@ -821,10 +821,11 @@ impl Config {
                     .into(),
             );
         }
-        let paraphrase = self.data.synthetic_paraphrase;
-        if !(0.0..=1.0).contains(&paraphrase) {
+        let confusion = self.data.synthetic_decision_confusion;
+        if !(0.0..=1.0).contains(&confusion) {
             problems.push(format!(
-                "data.synthetic_paraphrase is {paraphrase}; it is a fraction of rows, from 0 to 1"
+                "data.synthetic_decision_confusion is {confusion}; it is a fraction of rows, \
+                 from 0 to 1"
             ));
         }
         if self.sft.enabled {

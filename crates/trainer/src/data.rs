@@ -79,7 +79,7 @@ fn load_source(config: &Config, run_dir: &Path, source: &str, split: Split) -> R
                     train,
                     test: val,
                     holdout: config.data.synthetic_holdout,
-                    paraphrase: config.data.synthetic_paraphrase,
+                    decision_confusion: config.data.synthetic_decision_confusion,
                     ..SynthSqlOptions::default()
                 },
             )?;

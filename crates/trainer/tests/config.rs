@@ -281,11 +281,11 @@ fn batch_sizes_must_divide() {
 }
 
 #[test]
-fn paraphrase_is_a_fraction() {
-    let problems = invalid_messages(&["data.synthetic_paraphrase=1.5"]);
+fn decision_confusion_is_a_fraction() {
+    let problems = invalid_messages(&["data.synthetic_decision_confusion=1.5"]);
     assert_eq!(problems.len(), 1, "{problems:?}");
     assert!(
-        problems[0].contains("data.synthetic_paraphrase is 1.5"),
+        problems[0].contains("data.synthetic_decision_confusion is 1.5"),
         "{problems:?}"
     );
 }

@@ -45,11 +45,11 @@ pub enum Command {
         /// question) or `questions` (unseen combinations of values training mentions).
         #[arg(long, default_value = "values")]
         holdout: synth_sql::Holdout,
-        /// Fraction of the questions with a deciding word (aggregate, sort direction,
-        /// comparison) asked with a synonym the reference answers never use; those training
-        /// rows carry no reference answer.
+        /// Fraction of the training rows with a deciding word (aggregate, sort direction,
+        /// comparison) whose reference answer mistakes it for another, as a confused
+        /// teacher would; the gold SQL stays right.
         #[arg(long, default_value_t = 0.0, value_parser = fraction)]
-        paraphrase: f64,
+        decision_confusion: f64,
         /// Annotated BIRD-style schema instead of the compact one-line-per-table schema.
         #[arg(long)]
         full_schema: bool,
@@ -122,7 +122,7 @@ pub fn run(command: Command) -> anyhow::Result<()> {
             train,
             test,
             holdout,
-            paraphrase,
+            decision_confusion,
             full_schema,
         } => {
             let options = synth_sql::SynthSqlOptions {
@@ -130,7 +130,7 @@ pub fn run(command: Command) -> anyhow::Result<()> {
                 train,
                 test,
                 holdout,
-                paraphrase,
+                decision_confusion,
                 compact: !full_schema,
                 ..Default::default()
             };
