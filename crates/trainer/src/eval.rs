@@ -48,6 +48,9 @@ pub struct EvalRecord {
     pub reward: f64,
     /// Response tokens.
     pub num_tokens: usize,
+    /// The row's `extra_info` (template, difficulty, ...), so accuracy can be split by any
+    /// of its keys (`tools/eval_breakdown.py`).
+    pub extra_info: serde_json::Map<String, serde_json::Value>,
 }
 
 /// What an evaluation produced.
@@ -127,6 +130,7 @@ pub fn evaluate<E: Engine>(
             response: t.text,
             reward: t.reward,
             num_tokens: t.response.len(),
+            extra_info: prompts[p].row.extra_info().clone(),
         })
         .collect();
     Ok(EvalOutput { metrics, records })

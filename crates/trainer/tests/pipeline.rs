@@ -93,8 +93,16 @@ fn embedded_pipeline_writes_metrics_tensorboard_report_and_checkpoints() {
         .count();
     assert!(events >= 1, "no TensorBoard event file");
     assert!(run_dir.join("report.html").is_file());
-    assert!(run_dir.join("evals/global_step_0.jsonl").is_file());
     assert!(run_dir.join("evals/global_step_2.jsonl").is_file());
+    // Each eval record carries its row's extra_info, to split accuracy by template etc.
+    let first_eval = std::fs::read_to_string(run_dir.join("evals/global_step_0.jsonl")).unwrap();
+    let record: serde_json::Value =
+        serde_json::from_str(first_eval.lines().next().unwrap()).unwrap();
+    assert!(
+        record["extra_info"]["template"].is_string(),
+        "{}",
+        record["extra_info"]
+    );
 
     let checkpoints = run_dir.join(CHECKPOINTS_DIR);
     let latest = std::fs::read_to_string(checkpoints.join(LATEST_FILE)).unwrap();
