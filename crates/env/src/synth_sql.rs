@@ -1287,9 +1287,10 @@ fn questions(
         tie_check,
     } in drafts
     {
-        if informative(conn, &question.sql)?
+        let gold = result(conn, &question.sql)?;
+        if informative(&gold)
             && unambiguous(conn, tie_check.as_deref())?
-            && decisive(conn, &question)?
+            && decisive(conn, &gold, question.confused.as_ref())?
         {
             kept.push(question);
         }
@@ -1345,11 +1346,10 @@ fn result(conn: &Connection, sql: &str) -> rusqlite::Result<Vec<Vec<SqlValue>>> 
     Ok(rows)
 }
 
-fn informative(conn: &Connection, sql: &str) -> rusqlite::Result<bool> {
-    let rows = result(conn, sql)?;
+fn informative(rows: &[Vec<SqlValue>]) -> bool {
     let all_null = rows.iter().flatten().all(|v| *v == SqlValue::Null);
     let zero_count = rows.len() == 1 && rows[0] == [SqlValue::Integer(0)];
-    Ok(!rows.is_empty() && !all_null && !zero_count)
+    !rows.is_empty() && !all_null && !zero_count
 }
 
 fn unambiguous(conn: &Connection, tie_check: Option<&str>) -> rusqlite::Result<bool> {
@@ -1365,24 +1365,28 @@ fn unambiguous(conn: &Connection, tie_check: Option<&str>) -> rusqlite::Result<b
 
 /// Whether the question's deciding word changes its answer: over a single row, say, every
 /// aggregate and sort direction gives the same one, and the word teaches nothing.
-fn decisive(conn: &Connection, question: &Question) -> rusqlite::Result<bool> {
-    let Some((_, confused_sql)) = &question.confused else {
+fn decisive(
+    conn: &Connection,
+    gold: &[Vec<SqlValue>],
+    confused: Option<&(String, String)>,
+) -> rusqlite::Result<bool> {
+    let Some((_, confused_sql)) = confused else {
         return Ok(true);
     };
     // As the reward compares them: 10 and 10.0 are one answer.
-    let numeric = |rows: Vec<Vec<SqlValue>>| -> Vec<Vec<SqlValue>> {
-        rows.into_iter()
+    let numeric = |rows: &[Vec<SqlValue>]| -> Vec<Vec<SqlValue>> {
+        rows.iter()
             .map(|row| {
-                row.into_iter()
+                row.iter()
                     .map(|v| match v {
-                        SqlValue::Integer(i) => SqlValue::Real(i as f64),
-                        v => v,
+                        SqlValue::Integer(i) => SqlValue::Real(*i as f64),
+                        v => v.clone(),
                     })
                     .collect()
             })
             .collect()
     };
-    Ok(numeric(result(conn, &question.sql)?) != numeric(result(conn, confused_sql)?))
+    Ok(numeric(gold) != numeric(&result(conn, confused_sql)?))
 }
 
 /// A one-line summary of a generated task, for the CLI.
