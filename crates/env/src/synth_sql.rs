@@ -18,10 +18,13 @@
 //! A confused teacher ([`SynthSqlOptions::decision_confusion`]) writes some training rows'
 //! reference answers with the deciding word of the question (an aggregate, a sort
 //! direction, a comparison) mistaken for another: a warm start on them learns the confusion,
-//! and only the execution reward, which checks the gold SQL, can correct it.
+//! and only the execution reward, which checks the gold SQL, can correct it. A chatty
+//! teacher ([`SynthSqlOptions::extra_column`]) also selects the column a question filters,
+//! sorts or joins on, the commonest way a text-to-SQL answer fails execution match.
 //!
 //! Each row's `extra_info` carries `db_id`, `db_path`, `difficulty` (1–5), `template`, the
-//! question's `constants`, `confused` (whether its reference answer is), and
+//! question's `constants`, `confused` and `extra_column` (whether its reference answer has
+//! that mistake), and
 //! `reference_answer`, a completion in the expected format (its reasoning restates the
 //! question, then the plan) that a supervised warm start can train on.
 
@@ -64,6 +67,12 @@ pub struct SynthSqlOptions {
     /// gold SQL the reward checks stays right. Above 0.5 a warm start learns the wrong
     /// meaning of each word, which only the reward can correct.
     pub decision_confusion: f64,
+    /// Fraction of the training rows whose reference answer also selects the column the
+    /// question filters, sorts or joins on (`SELECT name, price ... ORDER BY price`), with
+    /// a closing sentence of reasoning that says so; the extra column fails execution match.
+    /// Above 0.5 a warm start adds it by habit, which only the reward can correct. Rows
+    /// the confusion takes keep its answer.
+    pub extra_column: f64,
 }
 
 /// What separates the test split from the training split.
@@ -100,6 +109,7 @@ impl Default for SynthSqlOptions {
             holdout: Holdout::Values,
             test_fraction: 0.3,
             decision_confusion: 0.0,
+            extra_column: 0.0,
         }
     }
 }
@@ -209,24 +219,29 @@ pub fn generate(out_dir: &Path, options: &SynthSqlOptions) -> Result<SynthSql, S
         if count > 0 && chosen.is_empty() {
             return Err(SynthSqlError::EmptySplit { split: name });
         }
-        // A stream of its own, so the questions drawn do not depend on the confusion.
-        let mut teacher = SplitMix64::new(options.seed, 200 + split_index as u64);
+        // Streams of their own, so the questions drawn do not depend on the teacher's
+        // mistakes, nor one mistake's draws on the other's rate.
+        let mut confusing = SplitMix64::new(options.seed, 200 + split_index as u64);
+        let mut chatty = SplitMix64::new(options.seed, 300 + split_index as u64);
         rows.push(
             chosen
                 .iter()
                 .enumerate()
                 .map(|(index, q)| {
-                    let confused = match &q.confused {
-                        Some(answer)
-                            if name == "train" && teacher.chance(options.decision_confusion) =>
-                        {
-                            Some(answer)
-                        }
-                        _ => None,
-                    };
+                    let train = name == "train";
+                    let confused = q
+                        .confused
+                        .as_ref()
+                        .filter(|_| train && confusing.chance(options.decision_confusion))
+                        .map(|answer| (Mistake::Confused, answer));
+                    let extra = q
+                        .extra_column
+                        .as_ref()
+                        .filter(|_| train && chatty.chance(options.extra_column))
+                        .map(|answer| (Mistake::ExtraColumn, answer));
                     to_row(
                         q,
-                        confused,
+                        confused.or(extra),
                         &databases[q.db],
                         &schemas[q.db],
                         name,
@@ -259,10 +274,19 @@ pub fn write_synth_sql(
     Ok(task)
 }
 
-/// The row of question `q`; a `confused` (reasoning, SQL) replaces the reference answer's.
+/// A teacher's mistake in a reference answer.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Mistake {
+    /// [`SynthSqlOptions::decision_confusion`].
+    Confused,
+    /// [`SynthSqlOptions::extra_column`].
+    ExtraColumn,
+}
+
+/// The row of question `q`; a `mistaken` (reasoning, SQL) replaces the reference answer's.
 fn to_row(
     q: &Question,
-    confused: Option<&(String, String)>,
+    mistaken: Option<(Mistake, &(String, String))>,
     db_path: &Path,
     schema: &str,
     split: &str,
@@ -270,7 +294,8 @@ fn to_row(
     compact: bool,
 ) -> Row {
     let spec = &DATABASES[q.db];
-    let (reasoning, sql) = confused.map_or((&q.reasoning, &q.sql), |(r, s)| (r, s));
+    let (reasoning, sql) = mistaken.map_or((&q.reasoning, &q.sql), |(_, (r, s))| (r, s));
+    let mistake = mistaken.map(|(m, _)| m);
     let mut extras = Map::new();
     extras.insert("db_id".into(), json!(spec.id));
     extras.insert("db_path".into(), json!(db_path.to_string_lossy()));
@@ -278,7 +303,11 @@ fn to_row(
     extras.insert("template".into(), json!(q.template));
     extras.insert("constants".into(), json!(q.constants));
     extras.insert("question".into(), json!(q.text));
-    extras.insert("confused".into(), json!(confused.is_some()));
+    extras.insert("confused".into(), json!(mistake == Some(Mistake::Confused)));
+    extras.insert(
+        "extra_column".into(),
+        json!(mistake == Some(Mistake::ExtraColumn)),
+    );
     extras.insert("split".into(), json!(split));
     extras.insert(
         "reference_answer".into(),
@@ -908,6 +937,9 @@ struct Question {
     /// (reasoning, SQL) with the deciding word mistaken for the next option of its decision
     /// ([`SynthSqlOptions::decision_confusion`]); `None` without a deciding word.
     confused: Option<(String, String)>,
+    /// (reasoning, SQL) that also select the column the question filters, sorts or joins
+    /// on ([`SynthSqlOptions::extra_column`]); `None` where the answer already shows it.
+    extra_column: Option<(String, String)>,
 }
 
 /// The (reasoning, SQL) of `answer` for the option after `current` in `options`, as a
@@ -954,10 +986,16 @@ fn questions(
                      difficulty: u8,
                      text: String,
                      confused: Option<(String, String)>,
-                     sql: String,
-                     reasoning: String,
+                     (sql, reasoning, shown): (String, String, Option<&str>),
                      constants: Vec<String>,
                      tie_check: Option<String>| {
+        // The extra column goes last in the select list, which ends at the first FROM.
+        let extra_column = shown.map(|column| {
+            (
+                format!("{reasoning} Show {column} as well."),
+                sql.replacen(" FROM ", &format!(", {column} FROM "), 1),
+            )
+        });
         drafts.push(Draft {
             question: Question {
                 db,
@@ -968,6 +1006,7 @@ fn questions(
                 reasoning,
                 constants,
                 confused,
+                extra_column,
             },
             tie_check,
         })
@@ -1016,10 +1055,13 @@ fn questions(
                             column.phrase, table.singular
                         ),
                         None,
-                        format!("SELECT {} FROM {t} WHERE {l} = '{v}'", column.name),
-                        format!(
-                            "Read {} from {t} for the row whose {l} is '{v}'.",
-                            column.name
+                        (
+                            format!("SELECT {} FROM {t} WHERE {l} = '{v}'", column.name),
+                            format!(
+                                "Read {} from {t} for the row whose {l} is '{v}'.",
+                                column.name
+                            ),
+                            Some(l),
                         ),
                         vec![v.clone()],
                         None,
@@ -1037,8 +1079,11 @@ fn questions(
                             table.plural, cat.phrase
                         ),
                         None,
-                        format!("SELECT {l} FROM {t} WHERE {c} = '{v}'"),
-                        format!("Select {l} from {t} where {c} is '{v}'."),
+                        (
+                            format!("SELECT {l} FROM {t} WHERE {c} = '{v}'"),
+                            format!("Select {l} from {t} where {c} is '{v}'."),
+                            Some(c),
+                        ),
                         vec![v.clone()],
                         None,
                     );
@@ -1071,8 +1116,7 @@ fn questions(
                                     table.singular, cat.phrase, num.phrase
                                 ),
                                 confused(DIRECTIONS, direction, answer),
-                                sql,
-                                reasoning,
+                                (sql, reasoning, Some(n)),
                                 vec![v.clone()],
                                 Some(format!(
                                     "SELECT {n} {filter} ORDER BY {n} {direction} LIMIT 2"
@@ -1101,8 +1145,7 @@ fn questions(
                                 table.plural, num.phrase
                             ),
                             confused(COMPARISONS, op, answer),
-                            sql,
-                            reasoning,
+                            (sql, reasoning, Some(n)),
                             vec![x.to_string()],
                             None,
                         );
@@ -1119,8 +1162,11 @@ fn questions(
                     2,
                     format!("How many {} have {} '{v}'?", table.plural, cat.phrase),
                     None,
-                    format!("SELECT COUNT(*) FROM {t} WHERE {c} = '{v}'"),
-                    format!("Count the rows of {t} where {c} is '{v}'."),
+                    (
+                        format!("SELECT COUNT(*) FROM {t} WHERE {c} = '{v}'"),
+                        format!("Count the rows of {t} where {c} is '{v}'."),
+                        Some(c),
+                    ),
                     vec![v.clone()],
                     None,
                 );
@@ -1146,8 +1192,7 @@ fn questions(
                                 num.phrase, table.plural, cat.phrase
                             ),
                             confused(options, function, answer),
-                            sql,
-                            reasoning,
+                            (sql, reasoning, Some(c)),
                             vec![v.clone()],
                             None,
                         );
@@ -1176,9 +1221,9 @@ fn questions(
                                 "For each {}, how many {} have {} {word} {x}?",
                                 cat.phrase, table.plural, num.phrase
                             ),
+                            // Its grouping column is shown already.
                             confused(COMPARISONS, op, answer),
-                            sql,
-                            reasoning,
+                            (sql, reasoning, None),
                             vec![x.to_string()],
                             None,
                         );
@@ -1201,6 +1246,7 @@ fn questions(
             let join = format!("FROM {t} AS T1 JOIN {p} AS T2 ON T1.{} = T2.id", key.name);
             if let Some((parent_label, _)) = parent.label() {
                 let pl = parent_label.name;
+                let parent_column = format!("T2.{pl}");
                 let parent_labels = distinct_text(conn, p, pl)?;
                 for v in &parent_labels {
                     let subject = format!("{} {verb} the {} '{v}'", table.plural, parent.singular);
@@ -1213,8 +1259,11 @@ fn questions(
                             table.plural, parent.singular
                         ),
                         None,
-                        format!("SELECT COUNT(*) {join} WHERE T2.{pl} = '{v}'"),
-                        format!("{joined} and count the rows."),
+                        (
+                            format!("SELECT COUNT(*) {join} WHERE T2.{pl} = '{v}'"),
+                            format!("{joined} and count the rows."),
+                            Some(&parent_column),
+                        ),
                         vec![v.clone()],
                         None,
                     );
@@ -1224,8 +1273,11 @@ fn questions(
                             4,
                             format!("List the {label_plural} of {subject}."),
                             None,
-                            format!("SELECT T1.{} {join} WHERE T2.{pl} = '{v}'", label.name),
-                            format!("{joined} and select {t}.{}.", label.name),
+                            (
+                                format!("SELECT T1.{} {join} WHERE T2.{pl} = '{v}'", label.name),
+                                format!("{joined} and select {t}.{}.", label.name),
+                                Some(&parent_column),
+                            ),
                             vec![v.clone()],
                             None,
                         );
@@ -1248,8 +1300,7 @@ fn questions(
                                 5,
                                 format!("What is the {word} {} of {subject}?", num.phrase),
                                 confused(options, function, answer),
-                                sql,
-                                reasoning,
+                                (sql, reasoning, Some(&parent_column)),
                                 vec![v.clone()],
                                 None,
                             );
@@ -1268,10 +1319,13 @@ fn questions(
                             table.plural, parent.plural, cat.phrase
                         ),
                         None,
-                        format!("SELECT COUNT(*) {join} WHERE T2.{c} = '{v}'"),
-                        format!(
-                            "Join {t} to {p} on {}, keep {p}.{c} = '{v}' and count the rows.",
-                            key.name
+                        (
+                            format!("SELECT COUNT(*) {join} WHERE T2.{c} = '{v}'"),
+                            format!(
+                                "Join {t} to {p} on {}, keep {p}.{c} = '{v}' and count the rows.",
+                                key.name
+                            ),
+                            Some(&format!("T2.{c}")),
                         ),
                         vec![v.clone()],
                         None,

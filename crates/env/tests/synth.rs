@@ -312,3 +312,93 @@ fn confused_answers_mistake_only_the_deciding_word() {
     assert!(confused_rows > 60, "{confused_rows} confused rows");
     assert_eq!(rewarded, 0, "confused answers that earn full reward");
 }
+
+/// A chatty teacher adds one column to the select list of every training answer whose
+/// question does not already show the column it turns on, says so in one closing sentence
+/// of reasoning, and loses the reward; the test split and the rows a confused teacher
+/// takes keep their answers.
+#[test]
+fn extra_column_answers_add_one_column_and_fail_execution() {
+    let (plain_dir, chatty_dir, both_dir) = (
+        tempfile::tempdir().unwrap(),
+        tempfile::tempdir().unwrap(),
+        tempfile::tempdir().unwrap(),
+    );
+    let plain = generate(plain_dir.path(), &options(6)).unwrap();
+    let chatty = generate(
+        chatty_dir.path(),
+        &SynthSqlOptions {
+            extra_column: 1.0,
+            ..options(6)
+        },
+    )
+    .unwrap();
+    let registry = floe_env::env::Registry::with_builtins();
+    for (split, (a, b)) in [
+        ("train", (&plain.train, &chatty.train)),
+        ("test", (&plain.test, &chatty.test)),
+    ] {
+        for (a, b) in a.iter().zip(b.iter()) {
+            let (ea, eb) = (a.extra_info(), b.extra_info());
+            assert_eq!(a.ground_truth, b.ground_truth, "same gold SQL");
+            let template = eb["template"].as_str().unwrap();
+            let chatty_row = split == "train" && template != "group_by";
+            assert_eq!(eb["extra_column"], chatty_row, "{split} {template}");
+            let (gold, taught) = (
+                ea["reference_answer"].as_str().unwrap(),
+                eb["reference_answer"].as_str().unwrap(),
+            );
+            if !chatty_row {
+                assert_eq!(gold, taught);
+                continue;
+            }
+            let sql = |answer: &str| {
+                let start = answer.find("```sql").unwrap() + "```sql".len();
+                answer[start..start + answer[start..].find("```").unwrap()]
+                    .trim()
+                    .to_string()
+            };
+            let (gold_sql, taught_sql) = (sql(gold), sql(taught));
+            let from = gold_sql.find(" FROM ").unwrap();
+            let added = &taught_sql[from..taught_sql.len() - (gold_sql.len() - from)];
+            assert!(
+                added.starts_with(", ") && !added[2..].contains(' '),
+                "{gold_sql} / {taught_sql}"
+            );
+            assert_eq!(
+                taught_sql.replacen(added, "", 1),
+                gold_sql,
+                "only the select list grows"
+            );
+            assert!(
+                taught.contains(&format!("Show {} as well.", &added[2..])),
+                "{taught}"
+            );
+            let mut env = registry
+                .make(b.env_class.as_deref().unwrap(), &b.extras)
+                .unwrap();
+            assert!(env.step(taught).unwrap().reward < 1.0, "{taught}");
+        }
+    }
+
+    let both = generate(
+        both_dir.path(),
+        &SynthSqlOptions {
+            extra_column: 1.0,
+            decision_confusion: 1.0,
+            ..options(6)
+        },
+    )
+    .unwrap();
+    for row in &both.train {
+        let info = row.extra_info();
+        assert!(
+            info["confused"] != true || info["extra_column"] == false,
+            "one mistake per answer"
+        );
+    }
+    assert!(both
+        .train
+        .iter()
+        .any(|r| r.extra_info()["confused"] == true));
+}

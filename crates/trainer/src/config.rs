@@ -80,6 +80,10 @@ pub struct DataConfig {
     /// question's deciding word (aggregate, sort direction, comparison) for another, as a
     /// confused teacher would; the reward's gold SQL stays right (0 to 1).
     pub synthetic_decision_confusion: f64,
+    /// Fraction of `synthetic:sql` training rows whose reference answer also selects the
+    /// column the question filters, sorts or joins on, which fails execution match, as a
+    /// chatty teacher would (0 to 1).
+    pub synthetic_extra_column: f64,
     /// Shuffle the training prompts each epoch (seeded by `trainer.seed`).
     pub shuffle: bool,
 }
@@ -95,6 +99,7 @@ impl Default for DataConfig {
             synthetic_val_size: 200,
             synthetic_holdout: Holdout::Values,
             synthetic_decision_confusion: 0.0,
+            synthetic_extra_column: 0.0,
             shuffle: true,
         }
     }
@@ -821,12 +826,21 @@ impl Config {
                     .into(),
             );
         }
-        let confusion = self.data.synthetic_decision_confusion;
-        if !(0.0..=1.0).contains(&confusion) {
-            problems.push(format!(
-                "data.synthetic_decision_confusion is {confusion}; it is a fraction of rows, \
-                 from 0 to 1"
-            ));
+        for (key, fraction) in [
+            (
+                "data.synthetic_decision_confusion",
+                self.data.synthetic_decision_confusion,
+            ),
+            (
+                "data.synthetic_extra_column",
+                self.data.synthetic_extra_column,
+            ),
+        ] {
+            if !(0.0..=1.0).contains(&fraction) {
+                problems.push(format!(
+                    "{key} is {fraction}; it is a fraction of rows, from 0 to 1"
+                ));
+            }
         }
         if self.sft.enabled {
             for (key, value) in [

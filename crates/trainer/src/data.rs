@@ -80,6 +80,7 @@ fn load_source(config: &Config, run_dir: &Path, source: &str, split: Split) -> R
                     test: val,
                     holdout: config.data.synthetic_holdout,
                     decision_confusion: config.data.synthetic_decision_confusion,
+                    extra_column: config.data.synthetic_extra_column,
                     ..SynthSqlOptions::default()
                 },
             )?;

@@ -281,11 +281,18 @@ fn batch_sizes_must_divide() {
 }
 
 #[test]
-fn decision_confusion_is_a_fraction() {
-    let problems = invalid_messages(&["data.synthetic_decision_confusion=1.5"]);
-    assert_eq!(problems.len(), 1, "{problems:?}");
+fn teacher_mistakes_are_fractions() {
+    let problems = invalid_messages(&[
+        "data.synthetic_decision_confusion=1.5",
+        "data.synthetic_extra_column=-0.1",
+    ]);
+    assert_eq!(problems.len(), 2, "{problems:?}");
     assert!(
         problems[0].contains("data.synthetic_decision_confusion is 1.5"),
+        "{problems:?}"
+    );
+    assert!(
+        problems[1].contains("data.synthetic_extra_column is -0.1"),
         "{problems:?}"
     );
 }

@@ -50,6 +50,11 @@ pub enum Command {
         /// teacher would; the gold SQL stays right.
         #[arg(long, default_value_t = 0.0, value_parser = fraction)]
         decision_confusion: f64,
+        /// Fraction of the training rows whose reference answer also selects the column
+        /// the question filters, sorts or joins on, as a chatty teacher would; the extra
+        /// column fails execution match.
+        #[arg(long, default_value_t = 0.0, value_parser = fraction)]
+        extra_column: f64,
         /// Annotated BIRD-style schema instead of the compact one-line-per-table schema.
         #[arg(long)]
         full_schema: bool,
@@ -123,6 +128,7 @@ pub fn run(command: Command) -> anyhow::Result<()> {
             test,
             holdout,
             decision_confusion,
+            extra_column,
             full_schema,
         } => {
             let options = synth_sql::SynthSqlOptions {
@@ -131,6 +137,7 @@ pub fn run(command: Command) -> anyhow::Result<()> {
                 test,
                 holdout,
                 decision_confusion,
+                extra_column,
                 compact: !full_schema,
                 ..Default::default()
             };
