@@ -303,7 +303,12 @@ fn main_figures(table: &MetricTable, shown: &mut BTreeSet<String>) -> Vec<Figure
             .collect()
     };
     figure(
-        "Eval accuracy by data source (avg_score)",
+        "Eval accuracy by data source (share of correct answers)",
+        "accuracy",
+        eval_metric("/accuracy"),
+    );
+    figure(
+        "Eval average score by data source (with format credit)",
         "score",
         eval_metric("/avg_score"),
     );
@@ -414,7 +419,9 @@ fn render_summary(
         .names_matching(|name| {
             name == "reward/avg_raw_reward"
                 || (name.starts_with("eval/")
-                    && (name.ends_with("/avg_score") || name.contains("/pass_at_")))
+                    && (name.ends_with("/accuracy")
+                        || name.ends_with("/avg_score")
+                        || name.contains("/pass_at_")))
         })
         .collect();
     if !compared.is_empty() {

@@ -18,6 +18,7 @@ fn synthetic_run(run_dir: &Path) {
         let progress = step as f64 / 30.0;
         BTreeMap::from([
             ("eval/all/avg_score".to_string(), 0.2 + 0.5 * progress),
+            ("eval/all/accuracy".to_string(), 0.1 + 0.5 * progress),
             (
                 "eval/synth_sql/avg_score".to_string(),
                 0.25 + 0.55 * progress,
@@ -87,7 +88,8 @@ fn report_has_every_plot_and_series() {
 
     for title in [
         "Training reward",
-        "Eval accuracy by data source (avg_score)",
+        "Eval accuracy by data source (share of correct answers)",
+        "Eval average score by data source (with format credit)",
         "Eval pass_at_1 by data source",
         "KL to the reference",
         "Policy entropy",
@@ -125,6 +127,9 @@ fn report_summary_compares_first_and_last_eval() {
     synthetic_run(dir.path());
     let html = std::fs::read_to_string(write_report(dir.path()).unwrap()).unwrap();
     assert!(html.contains("First vs last"));
+    assert!(html.contains(
+        "<tr><td>eval/all/accuracy</td><td>0.1000 <small>(step 0)</small></td><td>0.6000 <small>(step 30)</small></td><td class=\"up\">+0.5000</td></tr>"
+    ));
     assert!(html.contains(
         "<tr><td>eval/all/avg_score</td><td>0.2000 <small>(step 0)</small></td><td>0.7000 <small>(step 30)</small></td><td class=\"up\">+0.5000</td></tr>"
     ));
