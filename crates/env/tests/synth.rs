@@ -18,6 +18,14 @@ fn options(seed: u64) -> SynthSqlOptions {
     }
 }
 
+/// The query in an answer's ```sql fence.
+fn answer_sql(answer: &str) -> String {
+    let start = answer.find("```sql").unwrap() + "```sql".len();
+    answer[start..start + answer[start..].find("```").unwrap()]
+        .trim()
+        .to_string()
+}
+
 fn read(path: &Path) -> Vec<u8> {
     std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
@@ -242,13 +250,7 @@ fn confused_answers_mistake_only_the_deciding_word() {
         },
     )
     .unwrap();
-    let sql_of = |row: &Row| {
-        let answer = row.extra_info()["reference_answer"].as_str().unwrap();
-        let start = answer.find("```sql").unwrap() + "```sql".len();
-        answer[start..start + answer[start..].find("```").unwrap()]
-            .trim()
-            .to_string()
-    };
+    let sql_of = |row: &Row| answer_sql(row.extra_info()["reference_answer"].as_str().unwrap());
     let deciding = [
         "order_limit",
         "filter_number",
@@ -352,13 +354,7 @@ fn extra_column_answers_add_one_column_and_fail_execution() {
                 assert_eq!(gold, taught);
                 continue;
             }
-            let sql = |answer: &str| {
-                let start = answer.find("```sql").unwrap() + "```sql".len();
-                answer[start..start + answer[start..].find("```").unwrap()]
-                    .trim()
-                    .to_string()
-            };
-            let (gold_sql, taught_sql) = (sql(gold), sql(taught));
+            let (gold_sql, taught_sql) = (answer_sql(gold), answer_sql(taught));
             let from = gold_sql.find(" FROM ").unwrap();
             let added = &taught_sql[from..taught_sql.len() - (gold_sql.len() - from)];
             assert!(
