@@ -1,11 +1,51 @@
-//! The engine's error: what failed underneath (device, model, weights, sampler) or which
-//! file of a saved state is missing or damaged.
+//! The engine's error: what failed underneath (device, model, weights, sampler), which
+//! request the engine refused, or which file of a saved state is missing or damaged.
 
 use std::path::PathBuf;
 
 /// Why an engine operation failed.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
+    /// The device could not be opened (e.g. `cuda:0` in a build without CUDA).
+    #[error("device `{device}`: {source}")]
+    Device {
+        /// The device as configured.
+        device: String,
+        /// What the backend said.
+        source: floe_backend::Error,
+    },
+    /// Training ran out of device memory; the message says which settings free some.
+    #[error(
+        "{source}; training micro-batches hold up to {tokens} tokens (recompute {recompute}) \
+         beside a sampler KV cache of {kv_cache_gib:.1} GiB: lower \
+         trainer.micro_train_batch_size_per_gpu or set trainer.max_tokens_per_microbatch, set \
+         engine.recompute = true, or lower engine.memory_fraction"
+    )]
+    TrainingOutOfMemory {
+        /// The device's refusal.
+        source: Box<Error>,
+        /// The micro-batch token budget.
+        tokens: usize,
+        /// Whether activations were recomputed.
+        recompute: bool,
+        /// The KV cache's size.
+        kv_cache_gib: f64,
+    },
+    /// A batch could not be packed into micro-batches.
+    #[error("packing: {0}")]
+    Packing(#[from] crate::packing::PackingError),
+    /// The algorithm configuration cannot be used.
+    #[error(transparent)]
+    Algorithm(#[from] floe_rl::RlError),
+    /// A request to the engine is malformed; the message names the group, response and field.
+    #[error("invalid engine request: {0}")]
+    InvalidRequest(String),
+    /// `forward` asked for the reference weights before `freeze_reference`.
+    #[error("no reference model: call freeze_reference before forward with Weights::Reference")]
+    NoReference,
+    /// The tokenizer could not be loaded or saved.
+    #[error(transparent)]
+    Tokenizer(#[from] floe_model::tokenizer::TokenizerError),
     /// A backend op rejected its arguments or the device failed.
     #[error(transparent)]
     Backend(#[from] floe_backend::Error),
@@ -37,9 +77,22 @@ pub enum Error {
 }
 
 impl Error {
+    /// Whether the request, not the engine, was at fault (an HTTP 400 rather than a 500).
+    pub fn is_invalid_request(&self) -> bool {
+        matches!(
+            self,
+            Error::InvalidRequest(_)
+                | Error::NoReference
+                | Error::Algorithm(_)
+                | Error::Packing(_)
+                | Error::Sample(crate::sampler::SampleError::InvalidRequest { .. })
+        )
+    }
+
     /// Whether the device ran out of memory, in the backend or under the model.
     pub fn is_out_of_memory(&self) -> bool {
         match self {
+            Error::TrainingOutOfMemory { .. } => true,
             Error::Backend(e) | Error::Model(floe_model::transformer::ModelError::Backend(e)) => {
                 e.is_out_of_memory()
             }

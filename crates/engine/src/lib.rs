@@ -1,4 +1,17 @@
-//! The engine: owns a device and weights; packed train steps and the sampler.
+//! The engine: owns a device and the weights on it, and serves the verbs that train and
+//! sample them.
+//!
+//! # The verbs
+//!
+//! - [`verbs`]: the [`Engine`] trait (sample, forward, forward_backward, optim_step,
+//!   save/load, export) and every type on its boundary. Callers (the RL loop in
+//!   `floe-trainer`, the HTTP server in `floe-server`) hold an engine and nothing below it.
+//! - [`local`]: [`LocalEngine`], the verbs in this process over one backend, and
+//!   [`AnyLocalEngine`], which opens the [`Device`] a caller names (CPU or CUDA).
+//! - [`native_api`]: the JSON wire types of floe's native HTTP API, one route per verb;
+//!   [`remote`] (feature `remote`): [`remote::RemoteEngine`], the verbs sent over that API
+//!   to `floe serve`.
+//! - [`policy`]: the weights under training and their AdamW state.
 //!
 //! # Batching and sampling machinery
 //!
@@ -60,15 +73,26 @@
 
 #![deny(missing_docs)]
 
+mod device;
 mod error;
 pub mod kv_blocks;
+pub mod local;
+pub mod native_api;
 pub mod packing;
 pub mod policy;
+#[cfg(feature = "remote")]
+pub mod remote;
 pub mod sampler;
 pub mod stop;
+pub mod verbs;
 
+pub use device::Device;
 pub use error::{Error, Result};
 pub use kv_blocks::{BlockManager, BlockTable, OutOfBlocks};
+pub use local::{
+    saved_model_dir, saved_weights_source, AdapterSource, AnyLocalEngine, LocalEngine,
+    LocalEngineOptions, ModelSource, SharedBase,
+};
 pub use packing::{
     pack_rollouts, MicroBatch, PackingConfig, PackingError, PackingMode, Response, ResponseRows,
     RolloutGroup, TokenRef,
@@ -78,3 +102,7 @@ pub use sampler::{
     Sampler, SamplerConfig, SamplerStats, SamplingParams,
 };
 pub use stop::{Stop, StopConditions, StopReason};
+pub use verbs::{
+    Engine, EngineInfo, ForwardBackwardOutput, Loss, SequenceGroup, TokenOutputs, TrainGroup,
+    TrainResponse, Weights,
+};

@@ -8,6 +8,7 @@ pub mod batch;
 pub mod chat_template;
 pub mod config;
 pub mod decode;
+pub mod embedded;
 pub mod lora;
 pub mod tokenizer;
 pub mod transformer;

@@ -5,10 +5,10 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
+use floe_engine::ModelSource;
+use floe_model::embedded::{embedded_model_config, EMBEDDED_TINY, EMBEDDED_VOCAB_SIZE};
 use floe_model::tokenizer::{train_bpe, Tokenizer, QWEN3_SPECIAL_TOKENS};
 use floe_model::ModelConfig;
-use floe_trainer::embedded::{embedded_model_config, EMBEDDED_TINY, EMBEDDED_VOCAB_SIZE};
-use floe_trainer::local::ModelSource;
 
 /// Text the embedded model's tokenizer is trained on (any fixed text: its ids only have
 /// to be stable across server restarts).

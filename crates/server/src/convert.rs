@@ -10,8 +10,8 @@
 use std::collections::{BTreeMap, HashMap};
 
 use floe_engine::{Generation, StopReason};
+use floe_engine::{SequenceGroup, TokenOutputs, TrainGroup, TrainResponse};
 use floe_model::lora::{LoraConfig, DEFAULT_LORA_ALPHA};
-use floe_trainer::engine::{SequenceGroup, TokenOutputs, TrainGroup, TrainResponse};
 use serde::Deserialize;
 
 use crate::proto;

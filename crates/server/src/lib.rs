@@ -1,4 +1,4 @@
-//! `floe serve`: the Tinker-protocol HTTP server over the trainer's [`Engine`] verbs, so
+//! `floe serve`: the Tinker-protocol HTTP server over the engine's [`Engine`] verbs, so
 //! the unmodified `tinker` SDK and cookbook can train and sample floe models.
 //!
 //! Each created model gets its own [`LocalEngine`] on its own thread; its requests run
@@ -6,8 +6,8 @@
 //! accumulate until `optim_step`. Slow requests are futures that clients long-poll with
 //! `retrieve_future`. See `docs/server.md` for the routes, the design and what is next.
 //!
-//! [`Engine`]: floe_trainer::engine::Engine
-//! [`LocalEngine`]: floe_trainer::local::LocalEngine
+//! [`Engine`]: floe_engine::Engine
+//! [`LocalEngine`]: floe_engine::LocalEngine
 
 #![deny(missing_docs)]
 
@@ -102,7 +102,7 @@ pub fn router(config: ServerConfig) -> Router {
     ));
     Router::new()
         .nest("/api/v1", api)
-        .nest(floe_trainer::native_api::NATIVE_PREFIX, native)
+        .nest(floe_engine::native_api::NATIVE_PREFIX, native)
         .fallback(|| async {
             ApiError::not_found(
                 "no such route; the Tinker API lives under /api/v1/, floe's native API under /floe/v1/",

@@ -1,6 +1,6 @@
 //! floe's native JSON API under `/floe/v1`: one route per [`Engine`] verb, for
-//! [`RemoteEngine`] (`floe train engine.remote=...`) and the Python package in `python/`.
-//! The wire types live in [`floe_trainer::native_api`]; `docs/server.md` lists the routes.
+//! the remote engine (`floe_engine::remote`, `floe train engine.remote=...`) and the Python package in `python/`.
+//! The wire types live in [`floe_engine::native_api`]; `docs/server.md` lists the routes.
 //!
 //! A client creates an engine (`POST /engines`, naming a base model or sending the
 //! embedded model's tokenizer) and drives it through `/engines/{id}/{verb}`. Each engine is
@@ -10,8 +10,7 @@
 //! scores while the rest generate. Saved states and exports stay under the server's data
 //! folder (`native/states/{id}`, `native/exports/{id}`) and are named by id.
 //!
-//! [`Engine`]: floe_trainer::engine::Engine
-//! [`RemoteEngine`]: floe_trainer::remote::RemoteEngine
+//! [`Engine`]: floe_engine::Engine
 
 use std::collections::{BTreeMap, HashMap};
 use std::convert::Infallible;
@@ -24,18 +23,18 @@ use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use floe_engine::policy::OptimParams;
-use floe_model::tokenizer::Tokenizer;
-use floe_trainer::embedded::embedded_model;
-use floe_trainer::engine::{Engine, EngineInfo};
-use floe_trainer::error::Error as EngineError;
-use floe_trainer::local::{AnyLocalEngine, ModelSource};
-use floe_trainer::native_api::{
+use floe_engine::native_api::{
     CreateEngineRequest, CreateEngineResponse, EngineSettings, ExportResponse, ExportedFile,
     ForwardBackwardBody, ForwardBackwardResponse, ForwardBody, ForwardResponse, LoadStateBody,
     ModelSpec, OptimStepResponse, SampleBody, SampleEvent, SaveStateResponse, ServerInfo,
     SyncResponse,
 };
+use floe_engine::policy::OptimParams;
+use floe_engine::Error as EngineError;
+use floe_engine::{AnyLocalEngine, ModelSource};
+use floe_engine::{Engine, EngineInfo};
+use floe_model::embedded::embedded_model;
+use floe_model::tokenizer::Tokenizer;
 use serde::de::DeserializeOwned;
 use serde_json::Value;
 
@@ -76,7 +75,7 @@ struct NativeEngine {
 type NativeRef = Arc<Native>;
 
 /// The native routes over the server's state; the caller nests them under
-/// [`floe_trainer::native_api::NATIVE_PREFIX`] behind the API-key check.
+/// [`floe_engine::native_api::NATIVE_PREFIX`] behind the API-key check.
 pub fn router<S: Clone + Send + Sync + 'static>(app: AppRef) -> Router<S> {
     let native = Arc::new(Native {
         app,
@@ -192,15 +191,10 @@ fn parse<T: DeserializeOwned>(route: &str, body: Body) -> Result<T, ApiError> {
 
 /// A verb's error: 400 when the request was at fault, 500 when the engine was.
 fn verb_failed(verb: &str, error: EngineError) -> ApiError {
-    let status = match &error {
-        EngineError::InvalidRequest(_)
-        | EngineError::NoReference
-        | EngineError::Algorithm(_)
-        | EngineError::Packing(_)
-        | EngineError::Engine(floe_engine::Error::Sample(
-            floe_engine::SampleError::InvalidRequest { .. },
-        )) => StatusCode::BAD_REQUEST,
-        _ => StatusCode::INTERNAL_SERVER_ERROR,
+    let status = if error.is_invalid_request() {
+        StatusCode::BAD_REQUEST
+    } else {
+        StatusCode::INTERNAL_SERVER_ERROR
     };
     ApiError::new(status, format!("{verb}: {error}"))
 }
@@ -397,10 +391,7 @@ async fn create_engine(
 }
 
 /// The server's engine options with the client's settings applied.
-fn engine_options(
-    native: &Native,
-    settings: &EngineSettings,
-) -> floe_trainer::local::LocalEngineOptions {
+fn engine_options(native: &Native, settings: &EngineSettings) -> floe_engine::LocalEngineOptions {
     let mut options = native.app.config.engine.clone();
     if let Some(tokens) = settings.max_tokens_per_microbatch {
         options.max_tokens_per_microbatch = tokens;

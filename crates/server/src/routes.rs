@@ -12,11 +12,11 @@ use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use floe_engine::policy::OptimParams;
+use floe_engine::{saved_weights_source, AdapterSource, AnyLocalEngine, ModelSource};
+use floe_engine::{Engine, Loss, Weights};
 use floe_engine::{Generation, SampleRequest, SamplingParams};
 use floe_model::lora::LoraConfig;
 use floe_rl::tinker::{tinker_loss, TinkerInputs, TinkerLoss, TinkerLossConfig, LOSS_SUM_METRIC};
-use floe_trainer::engine::{Engine, Loss, Weights};
-use floe_trainer::local::{saved_weights_source, AdapterSource, AnyLocalEngine, ModelSource};
 use serde::de::DeserializeOwned;
 use serde_json::{json, Value};
 
@@ -480,7 +480,7 @@ fn fwdbwd_job(
 /// The loss of a `forward` from its scored log-probs (no gradients).
 fn forward_loss(
     datums: &[TinkerDatum],
-    outputs: &[Vec<floe_trainer::engine::TokenOutputs>],
+    outputs: &[Vec<floe_engine::TokenOutputs>],
     loss: TinkerLoss,
     config: &TinkerLossConfig,
 ) -> Result<f64, floe_rl::RlError> {
@@ -890,7 +890,7 @@ fn sample_job(sample: SampleRequest, with_prompt_logprobs: bool, ticket: CancelT
             return Outcome::user_error("sample: cancelled by the client before it started");
         }
         let prompt_logprobs = if with_prompt_logprobs {
-            let group = floe_trainer::engine::SequenceGroup {
+            let group = floe_engine::SequenceGroup {
                 prompt: vec![sample.prompt[0]],
                 responses: vec![sample.prompt[1..].to_vec()],
             };

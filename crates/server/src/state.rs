@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 
 use axum::http::StatusCode;
 use floe_engine::policy::{is_lora_state, ADAPTER_DIR};
+use floe_engine::{LocalEngineOptions, ModelSource, SharedBase};
 use floe_model::lora::{read_adapter_config, LoraConfig};
-use floe_trainer::local::{LocalEngineOptions, ModelSource, SharedBase};
 use serde::{Deserialize, Serialize};
 
 use crate::catalog::Catalog;

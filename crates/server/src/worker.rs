@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::sync::Arc;
 
-use floe_trainer::local::AnyLocalEngine;
+use floe_engine::AnyLocalEngine;
 
 use crate::futures::{Futures, Outcome};
 

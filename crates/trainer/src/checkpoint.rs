@@ -13,9 +13,8 @@ use floe_env::dataset::DataCursor;
 use serde::{Deserialize, Serialize};
 
 use crate::config::Resume;
-use crate::engine::Engine;
 use crate::error::{Error, Result};
-use crate::sft::verb_error;
+use floe_engine::Engine;
 
 /// Folder of a run directory holding the checkpoints.
 pub const CHECKPOINTS_DIR: &str = "checkpoints";
@@ -78,7 +77,7 @@ pub fn save_checkpoint<E: Engine>(
     std::fs::create_dir_all(&partial).map_err(io_error(&partial))?;
     engine
         .save_state(&partial.join(ENGINE_DIR))
-        .map_err(verb_error("save_state"))?;
+        .map_err(Error::verb("save_state"))?;
     let state_path = partial.join(TRAINER_STATE_FILE);
     let text = serde_json::to_string_pretty(state).expect("trainer state serialises to JSON");
     std::fs::write(&state_path, text).map_err(io_error(&state_path))?;

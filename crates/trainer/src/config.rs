@@ -14,13 +14,13 @@ use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 use std::path::{Path, PathBuf};
 
+use floe_engine::Device;
 use floe_env::dataset::Row;
 use floe_env::synth_sql::Holdout;
 use floe_rl::{AdvantageEstimator, LossReduction, RlError};
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-use crate::data::row_database;
-use crate::embedded::reference_answer;
+use crate::data::{reference_answer, row_database};
 
 /// `[trainer.algorithm]`: advantage estimator, policy loss, KL and loss reduction, owned by
 /// the RL math crate.
@@ -474,56 +474,6 @@ impl Default for EngineConfig {
             memory_fraction: 0.8,
             remote: None,
         }
-    }
-}
-
-/// A compute device, written `cpu` or `cuda:N`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Device {
-    /// The CPU reference backend.
-    Cpu,
-    /// CUDA device with this ordinal.
-    Cuda(usize),
-}
-
-impl fmt::Display for Device {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Device::Cpu => f.write_str("cpu"),
-            Device::Cuda(ordinal) => write!(f, "cuda:{ordinal}"),
-        }
-    }
-}
-
-impl std::str::FromStr for Device {
-    type Err = String;
-
-    fn from_str(text: &str) -> Result<Self, String> {
-        let parsed = match text {
-            "cpu" => Some(Device::Cpu),
-            "cuda" => Some(Device::Cuda(0)),
-            _ => text
-                .strip_prefix("cuda:")
-                .and_then(|ordinal| ordinal.parse().ok())
-                .map(Device::Cuda),
-        };
-        parsed.ok_or_else(|| {
-            format!("unknown device `{text}`; expected `cpu` or `cuda:N` (e.g. `cuda:0`)")
-        })
-    }
-}
-
-impl Serialize for Device {
-    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-        serializer.collect_str(self)
-    }
-}
-
-impl<'de> Deserialize<'de> for Device {
-    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        String::deserialize(deserializer)?
-            .parse()
-            .map_err(serde::de::Error::custom)
     }
 }
 

@@ -165,3 +165,10 @@ pub fn next_batch(cursor: &mut DataCursor, n: usize, shuffle: bool) -> Vec<usize
     }
     batch
 }
+
+/// The row's `extra_info.reference_answer`: a completion in the format the reward accepts.
+pub fn reference_answer(row: &Row) -> Option<&str> {
+    row.extra_info()
+        .get("reference_answer")
+        .and_then(|v| v.as_str())
+}

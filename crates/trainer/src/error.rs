@@ -1,51 +1,17 @@
-//! The trainer's error: each variant says which part failed (the engine, the packing of a
-//! batch, the algorithm config, a request that cannot be served, a file).
+//! The trainer's error: each variant says which part of a run failed (the engine, the
+//! config, the data, the environments, the outputs, a file).
 
 use std::path::PathBuf;
 
-/// Why a trainer or engine operation failed.
+/// Why a run failed.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    /// The device could not be opened (e.g. `cuda:0` in a build without CUDA).
-    #[error("device `{device}`: {source}")]
-    Device {
-        /// The device as configured.
-        device: String,
-        /// What the backend said.
-        source: floe_backend::Error,
-    },
-    /// The engine (device, model, weights, sampler, saved state) failed.
+    /// The local engine (device, model, weights, sampler, a request, saved state) failed.
     #[error(transparent)]
     Engine(#[from] floe_engine::Error),
-    /// Training ran out of device memory; the message says which settings free some.
-    #[error(
-        "{source}; training micro-batches hold up to {tokens} tokens (recompute {recompute}) \
-         beside a sampler KV cache of {kv_cache_gib:.1} GiB: lower \
-         trainer.micro_train_batch_size_per_gpu or set trainer.max_tokens_per_microbatch, set \
-         engine.recompute = true, or lower engine.memory_fraction"
-    )]
-    TrainingOutOfMemory {
-        /// The device's refusal.
-        source: Box<floe_engine::Error>,
-        /// The micro-batch token budget.
-        tokens: usize,
-        /// Whether activations were recomputed.
-        recompute: bool,
-        /// The KV cache's size.
-        kv_cache_gib: f64,
-    },
-    /// A batch could not be packed into micro-batches.
-    #[error("packing: {0}")]
-    Packing(#[from] floe_engine::PackingError),
     /// The algorithm configuration cannot be used.
     #[error(transparent)]
     Algorithm(#[from] floe_rl::RlError),
-    /// A request to the engine is malformed; the message names the group, response and field.
-    #[error("invalid engine request: {0}")]
-    InvalidRequest(String),
-    /// `forward` asked for the reference weights before `freeze_reference`.
-    #[error("no reference model: call freeze_reference before forward with Weights::Reference")]
-    NoReference,
     /// The tokenizer could not be loaded or saved.
     #[error(transparent)]
     Tokenizer(#[from] floe_model::tokenizer::TokenizerError),
@@ -102,27 +68,15 @@ pub enum Error {
     },
 }
 
-impl From<floe_model::transformer::ModelError> for Error {
-    fn from(err: floe_model::transformer::ModelError) -> Self {
-        Error::Engine(err.into())
-    }
-}
-
-impl From<floe_model::weights::WeightsError> for Error {
-    fn from(err: floe_model::weights::WeightsError) -> Self {
-        Error::Engine(err.into())
-    }
-}
-
-impl From<floe_engine::SampleError> for Error {
-    fn from(err: floe_engine::SampleError) -> Self {
-        Error::Engine(err.into())
-    }
-}
-
-impl From<floe_backend::Error> for Error {
-    fn from(err: floe_backend::Error) -> Self {
-        Error::Engine(err.into())
+impl Error {
+    /// Wraps an engine error with the verb that failed.
+    pub fn verb<X: std::error::Error + Send + Sync + 'static>(
+        verb: &'static str,
+    ) -> impl FnOnce(X) -> Error {
+        move |err| Error::EngineVerb {
+            verb,
+            source: Box::new(err),
+        }
     }
 }
 

@@ -15,9 +15,9 @@ use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 
 use crate::data::Prompt;
-use crate::engine::Engine;
 use crate::error::{Error, Result};
 use crate::rollout::{derive_seed, Rollouts, Trajectory};
+use floe_engine::Engine;
 
 /// Folder of a run directory holding eval generations (`global_step_N.jsonl`).
 pub const EVALS_DIR: &str = "evals";

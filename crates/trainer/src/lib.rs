@@ -5,17 +5,14 @@
 pub mod checkpoint;
 pub mod config;
 pub mod data;
-pub mod embedded;
-pub mod engine;
 pub mod error;
 pub mod eval;
-pub mod local;
 pub mod metrics;
-pub mod native_api;
 pub mod remote;
 pub mod report;
 pub mod rollout;
 pub mod run;
+pub mod setup;
 pub mod sft;
 pub mod tensorboard;
 

@@ -19,8 +19,8 @@ use floe_model::tokenizer::Tokenizer;
 
 use crate::config::SamplingParams;
 use crate::data::{render_messages, Prompt};
-use crate::engine::Engine;
 use crate::error::{Error, Result};
+use floe_engine::Engine;
 
 /// The conversation the fixed-base trick renders observations after (SkyRL's).
 const BASE_CONVERSATION: [(&str, &str); 2] = [
@@ -380,7 +380,7 @@ fn append_generation(
     let n = generation.tokens.len();
     if !generation.logprobs.is_empty() {
         if generation.logprobs.len() != n {
-            return Err(Error::InvalidRequest(format!(
+            return Err(Error::Data(format!(
                 "sample of request {} has {} log-probs for {n} tokens",
                 generation.request_id,
                 generation.logprobs.len()

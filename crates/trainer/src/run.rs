@@ -5,7 +5,7 @@
 //! Shapes in names: `_s` per sequence (trajectory), `_t` per response token of the batch
 //! (sequences end to end), `_g` per group (prompt).
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
@@ -15,6 +15,7 @@ use floe_env::dataset::{DataCursor, Row};
 use floe_env::env::{aggregate_metrics_by_env, BuiltinConfig, Registry};
 use floe_env::sandbox::{Sandbox, SandboxConfig};
 use floe_model::chat_template::ChatTemplate;
+use floe_model::embedded::is_embedded;
 use floe_model::tokenizer::Tokenizer;
 use floe_rl::advantage::zero_variance_sequences;
 use floe_rl::kl::{apply_kl_in_reward, KlController};
@@ -28,16 +29,17 @@ use crate::checkpoint::{
     ENGINE_DIR,
 };
 use crate::config::{Config, Logger, Scheduler};
-use crate::data::{load_split, next_batch, prepare_prompts, row_database, Prompt, Split};
-use crate::embedded::{embedded_model, embedded_tokenizer, is_embedded, TOKENIZER_DIR};
-use crate::engine::{Engine, Loss, SequenceGroup, TrainGroup, TrainResponse, Weights};
+use crate::data::{load_split, next_batch, prepare_prompts, Prompt, Split};
 use crate::error::{Error, Result};
 use crate::eval::{evaluate, write_records, EvalSpec, EVALS_DIR};
-use crate::local::{AnyLocalEngine, LocalEngineOptions, ModelSource};
 use crate::metrics::MetricsSink;
 use crate::report::{self, Sample, SAMPLES_FILE};
 use crate::rollout::{derive_seed, engine_sampling_params, Rollouts, Trajectory};
-use crate::sft::{run_sft, sft_examples, verb_error};
+use crate::setup::{engine_options, labelled_rows, model_setup, TOKENIZER_DIR};
+use crate::sft::{run_sft, sft_examples};
+use floe_engine::{
+    AnyLocalEngine, Engine, Loss, ModelSource, SequenceGroup, TrainGroup, TrainResponse, Weights,
+};
 
 /// Stream of training sampling seeds.
 const TRAIN_SEED_STREAM: u64 = 0x7A1;
@@ -61,79 +63,6 @@ pub struct RunOutcome {
     pub wall_seconds: f64,
     /// The HTML report.
     pub report: PathBuf,
-}
-
-/// A model ready to load: tokenizer, chat template and where the weights come from.
-pub struct ModelSetup {
-    /// The tokenizer.
-    pub tokenizer: Tokenizer,
-    /// The chat template prompts are rendered with.
-    pub template: ChatTemplate,
-    /// The initial weights.
-    pub source: ModelSource,
-}
-
-/// The model `config.model.path` names: `embedded:tiny` (tokenizer trained on `train_rows`
-/// and saved in the run directory unless `fresh` is false and one is there) or a Hugging
-/// Face folder.
-pub fn model_setup(
-    config: &Config,
-    run_dir: &Path,
-    train_rows: &[Row],
-    fresh: bool,
-) -> Result<ModelSetup> {
-    let path = &config.model.path;
-    let (tokenizer, source) = if is_embedded(path) {
-        let tokenizer_dir = run_dir.join(TOKENIZER_DIR);
-        if fresh && tokenizer_dir.exists() {
-            std::fs::remove_dir_all(&tokenizer_dir).map_err(|source| Error::Io {
-                path: tokenizer_dir.clone(),
-                source,
-            })?;
-        }
-        let labelled = labelled_rows(config, train_rows.iter())?;
-        let tokenizer = embedded_tokenizer(run_dir, train_rows, &labelled)?;
-        let model = embedded_model(path, &tokenizer)?.expect("an embedded path");
-        config.validate_context_length(model.max_position_embeddings)?;
-        let source = ModelSource::Random {
-            config: model,
-            seed: config.trainer.seed,
-        };
-        (tokenizer, source)
-    } else {
-        (
-            Tokenizer::from_dir(path)?,
-            ModelSource::Dir(PathBuf::from(path)),
-        )
-    };
-    let template = ChatTemplate::from_tokenizer(&tokenizer)?.unwrap_or_else(ChatTemplate::qwen3);
-    Ok(ModelSetup {
-        tokenizer,
-        template,
-        source,
-    })
-}
-
-/// Which of the training rows the warm start learns from (none when `sft.enabled` is
-/// off); fails when `sft.max_examples_per_database` names a database no row has.
-fn labelled_rows<'a>(
-    config: &Config,
-    rows: impl Iterator<Item = &'a Row> + Clone,
-) -> Result<Vec<bool>> {
-    if let Some(caps) = &config.sft.max_examples_per_database {
-        let databases: BTreeSet<&str> = rows.clone().filter_map(row_database).collect();
-        if let Some(missing) = caps.keys().find(|db| !databases.contains(db.as_str())) {
-            return Err(Error::Data(format!(
-                "sft.max_examples_per_database names `{missing}`, a database no training row \
-                 has (extra_info.db_id: {})",
-                databases.into_iter().collect::<Vec<_>>().join(", ")
-            )));
-        }
-    }
-    if !config.sft.enabled {
-        return Ok(rows.map(|_| false).collect());
-    }
-    Ok(config.sft.example_mask(rows))
 }
 
 /// The environments of a run: the built-ins over a sandbox with `environment.sql`'s
@@ -191,7 +120,7 @@ pub fn train(config: &Config) -> Result<RunOutcome> {
     let mut engine = AnyLocalEngine::open(
         setup.source,
         Some(setup.tokenizer.clone()),
-        LocalEngineOptions::from_config(config),
+        engine_options(config),
     )?;
     let inputs = RunInputs {
         tokenizer: setup.tokenizer,
@@ -311,7 +240,7 @@ pub fn run_loop<E: Engine>(
             let state = load_trainer_state(checkpoint)?;
             engine
                 .load_state(&checkpoint.join(ENGINE_DIR))
-                .map_err(verb_error("load_state"))?;
+                .map_err(Error::verb("load_state"))?;
             keep_samples_up_to(&run_dir, state.global_step)?;
             if console {
                 println!(
@@ -388,12 +317,12 @@ pub fn run_loop<E: Engine>(
             // gradients would shrink its first steps.
             engine
                 .reset_optimizer()
-                .map_err(verb_error("reset_optimizer"))?;
+                .map_err(Error::verb("reset_optimizer"))?;
         }
         if needs_reference {
             engine
                 .freeze_reference()
-                .map_err(verb_error("freeze_reference"))?;
+                .map_err(Error::verb("freeze_reference"))?;
         }
         if t.eval_before_train && !val_prompts.is_empty() {
             let metrics =
@@ -456,12 +385,12 @@ pub fn run_loop<E: Engine>(
         let groups_g = sequence_groups(&trajs, batch.len())?;
         let old_g = engine
             .forward(&groups_g, Weights::Policy, temperature)
-            .map_err(verb_error("forward"))?;
+            .map_err(Error::verb("forward"))?;
         let ref_g = if needs_reference {
             Some(
                 engine
                     .forward(&groups_g, Weights::Reference, temperature)
-                    .map_err(verb_error("forward"))?,
+                    .map_err(Error::verb("forward"))?,
             )
         } else {
             None
@@ -553,7 +482,7 @@ pub fn run_loop<E: Engine>(
             for mini_batch in train_g.chunks(t.policy_mini_batch_size) {
                 let out = engine
                     .forward_backward(mini_batch, &policy_loss, temperature)
-                    .map_err(verb_error("forward_backward"))?;
+                    .map_err(Error::verb("forward_backward"))?;
                 let lr = lr_at(
                     state.optimizer_steps,
                     schedule,
@@ -570,7 +499,7 @@ pub fn run_loop<E: Engine>(
                         weight_decay: opt.weight_decay as f32,
                         max_grad_norm: opt.max_grad_norm as f32,
                     })
-                    .map_err(verb_error("optim_step"))?;
+                    .map_err(Error::verb("optim_step"))?;
                 // A skipped (non-finite) step advances neither the optimiser nor the schedule.
                 if !outcome.skipped {
                     state.optimizer_steps += 1;
@@ -593,7 +522,7 @@ pub fn run_loop<E: Engine>(
         let start = Instant::now();
         engine
             .sync_sampler_weights()
-            .map_err(verb_error("sync_sampler_weights"))?;
+            .map_err(Error::verb("sync_sampler_weights"))?;
         metrics.insert("timing/sync".into(), start.elapsed().as_secs_f64());
         metrics.insert("timing/generate".into(), rollout_timing.generate);
         metrics.insert("timing/score".into(), rollout_timing.score);
@@ -997,9 +926,9 @@ pub fn eval_checkpoint(request: &EvalRequest) -> Result<EvalReport> {
         ));
     }
     let mut engine = AnyLocalEngine::open(
-        ModelSource::Dir(crate::local::saved_model_dir(&checkpoint.join(ENGINE_DIR))),
+        ModelSource::Dir(floe_engine::saved_model_dir(&checkpoint.join(ENGINE_DIR))),
         Some(tokenizer.clone()),
-        LocalEngineOptions::from_config(&config),
+        engine_options(&config),
     )?;
     let g = &config.generator;
     let tokenizer = Arc::new(tokenizer);

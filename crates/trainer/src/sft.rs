@@ -12,10 +12,9 @@ use floe_rl::optim::{lr_at, LrScheduleKind};
 use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::config::{Config, Scheduler};
-use crate::data::Prompt;
-use crate::embedded::reference_answer;
-use crate::engine::{Engine, Loss, TrainGroup, TrainResponse};
+use crate::data::{reference_answer, Prompt};
 use crate::error::{Error, Result};
+use floe_engine::{Engine, Loss, TrainGroup, TrainResponse};
 
 /// Stream of the SFT shuffle, apart from the RL data order of the same seed.
 const SFT_SHUFFLE_STREAM: u64 = 0x5F7;
@@ -93,7 +92,7 @@ pub fn run_sft<E: Engine>(
             let groups = shared_prefix_groups(batch.iter().map(|&i| &examples[i]));
             let out = engine
                 .forward_backward(&groups, &Loss::CrossEntropy, 1.0)
-                .map_err(verb_error("forward_backward"))?;
+                .map_err(Error::verb("forward_backward"))?;
             params.lr = lr_at(
                 optimizer_steps,
                 schedule,
@@ -104,7 +103,7 @@ pub fn run_sft<E: Engine>(
             optimizer_steps += 1;
             let step = engine
                 .optim_step(&params)
-                .map_err(verb_error("optim_step"))?;
+                .map_err(Error::verb("optim_step"))?;
             loss_sum += out.loss;
             norm_sum += step.grad_norm;
             tokens += out.metrics.get("sft/num_tokens").copied().unwrap_or(0.0);
@@ -125,7 +124,7 @@ pub fn run_sft<E: Engine>(
     bar.finish_and_clear();
     engine
         .sync_sampler_weights()
-        .map_err(verb_error("sync_sampler_weights"))?;
+        .map_err(Error::verb("sync_sampler_weights"))?;
     Ok(())
 }
 
@@ -195,14 +194,4 @@ pub fn shared_prefix_groups<'a>(examples: impl Iterator<Item = &'a SftExample>) 
 /// Length of the longest common prefix of `a` and `b`.
 fn common_prefix(a: &[u32], b: &[u32]) -> usize {
     a.iter().zip(b).take_while(|(x, y)| x == y).count()
-}
-
-/// Wraps an engine error with the verb that failed.
-pub fn verb_error<X: std::error::Error + Send + Sync + 'static>(
-    verb: &'static str,
-) -> impl FnOnce(X) -> Error {
-    move |err| Error::EngineVerb {
-        verb,
-        source: Box::new(err),
-    }
 }

@@ -2,10 +2,9 @@
 
 use std::path::Path;
 
+use floe_engine::Device;
 use floe_env::dataset::Row;
-use floe_trainer::config::{
-    Config, ConfigError, Device, Logger, Resume, Scheduler, EFFECTIVE_CONFIG_FILE,
-};
+use floe_trainer::config::{Config, ConfigError, Logger, Resume, Scheduler, EFFECTIVE_CONFIG_FILE};
 
 fn overrides(items: &[&str]) -> Vec<String> {
     items.iter().map(|item| item.to_string()).collect()

@@ -16,11 +16,11 @@ use floe_backend::cpu::CpuBackend;
 use floe_backend::cuda::{CudaBackend, KernelTime};
 use floe_backend::Backend;
 use floe_engine::policy::{OptimParams, Policy};
+use floe_engine::Device;
 use floe_engine::{SampleRequest, Sampler, SamplerConfig, SamplingParams};
 use floe_model::batch::PackedBatch;
 use floe_model::transformer::Transformer;
 use floe_model::{weights, ModelConfig};
-use floe_trainer::config::Device;
 use serde_json::{json, Value};
 
 /// Peak dense bf16 throughput the MFU figure divides by, the peer script's ceiling.

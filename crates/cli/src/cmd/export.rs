@@ -48,7 +48,7 @@ pub struct Args {
 /// Runs `floe export`.
 pub fn run(args: Args) -> anyhow::Result<()> {
     let state = engine_state_dir(&args.source)?;
-    let model_dir = floe_trainer::local::saved_model_dir(&state);
+    let model_dir = floe_engine::saved_model_dir(&state);
     let (config, host) = weights::load_model_dir(&model_dir)
         .with_context(|| format!("loading the policy from {}", model_dir.display()))?;
     let dtype = match args.dtype {
@@ -75,7 +75,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
 
 /// True for a folder written by `Engine::save_state`.
 fn is_engine_state(dir: &Path) -> bool {
-    floe_trainer::local::saved_model_dir(dir)
+    floe_engine::saved_model_dir(dir)
         .join("config.json")
         .is_file()
 }

@@ -7,9 +7,9 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
+use floe_engine::Device;
+use floe_engine::LocalEngineOptions;
 use floe_server::{Auth, Catalog, ServerConfig};
-use floe_trainer::config::Device;
-use floe_trainer::local::LocalEngineOptions;
 
 /// Environment variable with comma-separated accepted API keys.
 const API_KEYS_ENV: &str = "FLOE_API_KEYS";

@@ -8,8 +8,8 @@ use std::net::{SocketAddr, TcpStream};
 use std::path::Path;
 use std::time::Duration;
 
+use floe_engine::LocalEngineOptions;
 use floe_server::{proto, Auth, Catalog, ServerConfig};
-use floe_trainer::local::LocalEngineOptions;
 
 /// The key the test servers accept.
 pub const KEY: &str = "tml-test-key";

@@ -1,14 +1,9 @@
-//! The embedded model (`model.path = "embedded:tiny"`): a byte-level BPE tokenizer trained
-//! on the run's own task text and a tiny randomly initialised Qwen3-shape model, so
-//! `floe train` needs no download.
+//! The embedded models (`model.path = "embedded:tiny"`, ...): a byte-level BPE tokenizer
+//! trained on a run's own task text and a small randomly initialised Qwen3-shape model over
+//! its ids, so `floe train` needs no download.
 
-use std::path::Path;
-
-use floe_env::dataset::Row;
-use floe_model::tokenizer::{train_bpe, Tokenizer, QWEN3_SPECIAL_TOKENS};
-use floe_model::ModelConfig;
-
-use crate::error::Result;
+use crate::config::ModelConfig;
+use crate::tokenizer::{train_bpe, Tokenizer, TokenizerError, QWEN3_SPECIAL_TOKENS};
 
 /// `model.path` of the embedded tiny model.
 pub const EMBEDDED_TINY: &str = "embedded:tiny";
@@ -26,7 +21,10 @@ pub fn is_embedded(path: &str) -> bool {
 
 /// The model config an embedded `path` names over `tokenizer`'s ids; `Ok(None)` when
 /// `path` is not embedded.
-pub fn embedded_model(path: &str, tokenizer: &Tokenizer) -> Result<Option<ModelConfig>> {
+pub fn embedded_model(
+    path: &str,
+    tokenizer: &Tokenizer,
+) -> Result<Option<ModelConfig>, UnknownEmbeddedModel> {
     let Some(shape) = path.strip_prefix(EMBEDDED_PREFIX) else {
         return Ok(None);
     };
@@ -35,17 +33,9 @@ pub fn embedded_model(path: &str, tokenizer: &Tokenizer) -> Result<Option<ModelC
     }
     // `small` is the `tiny` preset's shape (4 layers of 256), the name `tiny` being taken.
     let preset = if shape == "small" { "tiny" } else { shape };
-    let config = ModelConfig::preset(preset).map_err(|_| {
-        crate::error::Error::Data(format!(
-            "model.path = {path:?} names no embedded model; use {EMBEDDED_TINY:?} or \
-             \"embedded:<shape>\" with a shape of small, 0.6B, 1.7B, 4B or 8B"
-        ))
-    })?;
+    let config = ModelConfig::preset(preset).map_err(|_| UnknownEmbeddedModel(path.to_string()))?;
     Ok(Some(over_tokenizer(config, tokenizer)))
 }
-
-/// Folder of a run directory holding the embedded model's tokenizer.
-pub const TOKENIZER_DIR: &str = "tokenizer";
 
 /// Ids of the embedded tokenizer: the Qwen3 special tokens, 256 bytes, then merges learnt
 /// from the task (its prompts repeat one schema, so a small vocabulary already compresses
@@ -55,46 +45,18 @@ pub const EMBEDDED_VOCAB_SIZE: usize = 1024;
 /// Longest sequence the embedded model accepts (its RoPE table).
 pub const EMBEDDED_CONTEXT: usize = 2048;
 
-/// The tokenizer of an embedded run: the one saved in `<run_dir>/tokenizer/` when there is
-/// one (a resumed run must keep its ids), else one trained on the prompts of `rows` and
-/// the reference answers of the rows marked in `labelled` (the warm start's examples) and saved
-/// there. The rows' `extra_info.constants` stay out of the merges, so every value splits
-/// into the same kind of small pieces and copying one teaches copying the others: with a
-/// value a single token, the model must learn to copy each value on its own, and held-out
-/// accuracy falls several-fold (`docs/benchmarks.md`).
-pub fn embedded_tokenizer(run_dir: &Path, rows: &[Row], labelled: &[bool]) -> Result<Tokenizer> {
-    let dir = run_dir.join(TOKENIZER_DIR);
-    if dir.join("tokenizer.json").is_file() {
-        return Ok(Tokenizer::from_dir(&dir)?);
-    }
-    let mut texts: Vec<String> = Vec::with_capacity(rows.len() * 3);
-    for (index, row) in rows.iter().enumerate() {
-        let constants: Vec<&str> = row
-            .extra_info()
-            .get("constants")
-            .and_then(|v| v.as_array())
-            .map(|values| values.iter().filter_map(|v| v.as_str()).collect())
-            .unwrap_or_default();
-        let without_constants = |text: &str| {
-            constants
-                .iter()
-                .fold(text.to_string(), |t, c| t.replace(c, " "))
-        };
-        texts.extend(row.prompt.iter().map(|m| without_constants(&m.content)));
-        if let Some(answer) = reference_answer(row).filter(|_| labelled[index]) {
-            texts.push(without_constants(answer));
-        }
-    }
-    let tokenizer = train_bpe(&texts, EMBEDDED_VOCAB_SIZE, &QWEN3_SPECIAL_TOKENS)?;
-    tokenizer.save_dir(&dir)?;
-    Ok(tokenizer)
-}
+/// A `model.path` with the embedded prefix whose shape no preset names.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "model.path = {0:?} names no embedded model; use \"embedded:tiny\" or \
+     \"embedded:<shape>\" with a shape of small, 0.6B, 1.7B, 4B or 8B"
+)]
+pub struct UnknownEmbeddedModel(pub String);
 
-/// The row's `extra_info.reference_answer`: a completion in the format the reward accepts.
-pub fn reference_answer(row: &Row) -> Option<&str> {
-    row.extra_info()
-        .get("reference_answer")
-        .and_then(|v| v.as_str())
+/// A tokenizer for an embedded model, trained on `texts`: the Qwen3 special tokens, 256
+/// bytes, then [`EMBEDDED_VOCAB_SIZE`] ids' worth of merges learnt from the texts.
+pub fn train_embedded_tokenizer(texts: &[String]) -> Result<Tokenizer, TokenizerError> {
+    train_bpe(texts, EMBEDDED_VOCAB_SIZE, &QWEN3_SPECIAL_TOKENS)
 }
 
 /// The tiny Qwen3 shape (`ModelConfig::preset("embedded")`: hidden 128, 4 layers, 4 query

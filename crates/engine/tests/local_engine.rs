@@ -5,15 +5,12 @@
 use std::collections::BTreeMap;
 
 use floe_engine::policy::OptimParams;
+use floe_engine::{AnyLocalEngine, LocalEngineOptions, ModelSource};
+use floe_engine::{Engine, Loss, SequenceGroup, TokenOutputs, TrainGroup, TrainResponse, Weights};
 use floe_engine::{SampleRequest, SamplingParams};
 use floe_model::weights::HostTensor;
 use floe_model::{Architecture, ModelConfig};
 use floe_rl::AlgorithmConfig;
-use floe_trainer::engine::{
-    Engine, Loss, SequenceGroup, TokenOutputs, TrainGroup, TrainResponse, Weights,
-};
-use floe_trainer::local::{AnyLocalEngine, LocalEngineOptions, ModelSource};
-use floe_trainer::sft::{shared_prefix_groups, SftExample};
 
 fn tiny_config() -> ModelConfig {
     ModelConfig {
@@ -350,33 +347,9 @@ fn bad_requests_name_what_is_wrong() {
 }
 
 #[test]
-fn options_from_config_fit_the_longest_sequence() {
-    let mut config = floe_trainer::Config::default();
-    config.trainer.max_prompt_length = 100;
-    config.generator.sampling_params.max_generate_length = 50;
-    config.generator.eval_sampling_params.max_generate_length = 20;
-    config.trainer.micro_train_batch_size_per_gpu = 4;
-    assert_eq!(
-        LocalEngineOptions::from_config(&config).max_tokens_per_microbatch,
-        4 * 150
-    );
-    config.trainer.max_tokens_per_microbatch = 1000;
-    assert_eq!(
-        LocalEngineOptions::from_config(&config).max_tokens_per_microbatch,
-        1000
-    );
-    // A budget below one whole sequence is raised to it, so every rollout packs.
-    config.trainer.max_tokens_per_microbatch = 10;
-    assert_eq!(
-        LocalEngineOptions::from_config(&config).max_tokens_per_microbatch,
-        150
-    );
-}
-
-#[test]
 fn an_unavailable_cuda_device_is_a_clear_error() {
     let options = LocalEngineOptions {
-        device: floe_trainer::config::Device::Cuda(0),
+        device: floe_engine::Device::Cuda(0),
         ..LocalEngineOptions::default()
     };
     let source = ModelSource::Random {
@@ -387,57 +360,4 @@ fn an_unavailable_cuda_device_is_a_clear_error() {
     if let Err(err) = AnyLocalEngine::open(source, None, options) {
         assert!(err.to_string().starts_with("device `cuda:0`: "), "{err}");
     }
-}
-
-#[test]
-fn sft_groups_sharing_a_prompt_prefix_train_like_single_examples() {
-    // Five examples over two "schemas": prompts share a long prefix within a schema.
-    let examples: Vec<SftExample> = (0..5u64)
-        .map(|i| {
-            let mut prompt = tokens(500 + i % 2, 20);
-            prompt.extend(tokens(600 + i, 3 + i as usize));
-            SftExample {
-                prompt,
-                answer: tokens(700 + i, 2 + i as usize),
-            }
-        })
-        .collect();
-    let shared = shared_prefix_groups(examples.iter());
-    assert_eq!(shared.len(), 2, "one group per schema");
-    let alone: Vec<TrainGroup> = examples
-        .iter()
-        .map(|e| TrainGroup {
-            prompt: e.prompt.clone(),
-            responses: vec![TrainResponse {
-                tokens: e.answer.clone(),
-                loss_mask: vec![1.0; e.answer.len()],
-                advantages: Vec::new(),
-                old_logprobs: Vec::new(),
-                rollout_logprobs: None,
-                ref_logprobs: None,
-            }],
-        })
-        .collect();
-    let mut a = engine(4096, 6);
-    let mut b = engine(4096, 6);
-    let out_a = a
-        .forward_backward(&alone, &Loss::CrossEntropy, 1.0)
-        .unwrap();
-    let out_b = b
-        .forward_backward(&shared, &Loss::CrossEntropy, 1.0)
-        .unwrap();
-    assert!(
-        (out_a.loss - out_b.loss).abs() <= 1e-5,
-        "{} vs {}",
-        out_a.loss,
-        out_b.loss
-    );
-    let (step_a, step_b) = (a.optim_step(&OPTIM).unwrap(), b.optim_step(&OPTIM).unwrap());
-    let rel = (step_a.grad_norm - step_b.grad_norm).abs() / step_a.grad_norm;
-    assert!(
-        rel <= 1e-4,
-        "grad norms {} vs {}",
-        step_a.grad_norm,
-        step_b.grad_norm
-    );
 }

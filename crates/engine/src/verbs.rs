@@ -1,4 +1,5 @@
-//! The one boundary between the RL loop and whatever trains and samples the weights.
+//! The engine's verbs: the one boundary between a caller (the RL loop, the server) and
+//! whatever trains and samples the weights.
 //!
 //! The loop never touches a model or a device: it sends token ids and per-token training
 //! inputs through [`Engine`] and gets token ids, log-probs and metrics back (token in,
@@ -10,11 +11,12 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::Duration;
 
-use floe_engine::policy::{OptimParams, StepOutcome};
-use floe_engine::{Generation, SampleRequest};
 use floe_rl::tinker::TinkerLoss;
 use floe_rl::AlgorithmConfig;
 use serde::{Deserialize, Serialize};
+
+use crate::policy::{OptimParams, StepOutcome};
+use crate::sampler::{Generation, SampleRequest};
 
 /// What the loop needs to know about the engine's model.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -116,7 +118,7 @@ pub struct ForwardBackwardOutput {
 /// The verbs the RL loop uses. Gradients accumulate across `forward_backward` calls
 /// until `optim_step`.
 ///
-/// Notes for callers (the local engine, `crate::local::LocalEngine`, behaves so):
+/// Notes for callers (the local engine, [`crate::LocalEngine`], behaves so):
 /// - `temperature` of `forward` and `forward_backward` is the sampling temperature
 ///   (log-probs of `softmax(logits / temperature)`); 0 (greedy) scores at temperature 1,
 ///   the temperature the sampler reports greedy log-probs at.

@@ -9,15 +9,15 @@
 //! `"Infinity"` and `"-Infinity"` (protobuf's JSON convention), which plain JSON numbers
 //! cannot hold.
 //!
-//! [`Engine`]: crate::engine::Engine
+//! [`Engine`]: crate::Engine
 
 use std::collections::BTreeMap;
 
-use floe_engine::policy::StepOutcome;
-use floe_engine::{Generation, SampleRequest};
 use serde::{Deserialize, Serialize};
 
-use crate::engine::{
+use crate::policy::StepOutcome;
+use crate::sampler::{Generation, SampleRequest};
+use crate::verbs::{
     EngineInfo, ForwardBackwardOutput, Loss, SequenceGroup, TokenOutputs, TrainGroup, Weights,
 };
 
@@ -57,7 +57,7 @@ pub enum ModelSpec {
 }
 
 fn embedded_tiny() -> String {
-    crate::embedded::EMBEDDED_TINY.to_string()
+    floe_model::embedded::EMBEDDED_TINY.to_string()
 }
 
 /// The engine settings a client chooses (they change results: a different micro-batch

@@ -23,13 +23,6 @@ use std::time::{Duration, Instant};
 use floe_backend::cpu::CpuBackend;
 use floe_backend::cuda::CudaBackend;
 use floe_backend::Backend;
-use floe_engine::policy::{
-    is_lora_state, OptimParams, Policy, StepOutcome, ADAPTER_DIR, MODEL_DIR,
-};
-use floe_engine::{
-    pack_rollouts, Generation, MicroBatch, PackingConfig, PackingMode, Response, RolloutGroup,
-    SampleRequest, Sampler, SamplerConfig,
-};
 use floe_model::batch::TokenStats;
 use floe_model::lora::{load_adapter_dir, LoraConfig};
 use floe_model::tokenizer::Tokenizer;
@@ -40,12 +33,17 @@ use floe_rl::metrics::reduce_micro_batch_metrics;
 use floe_rl::tinker::{tinker_loss, TinkerInputs, TinkerLoss, TinkerLossConfig};
 use floe_rl::{compute_policy_loss, AlgorithmConfig, GlobalNorm, LossInputs};
 
-use crate::config::{Config, Device};
-use crate::engine::{
+use crate::device::Device;
+use crate::error::{Error, Result};
+use crate::packing::{
+    pack_rollouts, MicroBatch, PackingConfig, PackingMode, Response, RolloutGroup,
+};
+use crate::policy::{is_lora_state, OptimParams, Policy, StepOutcome, ADAPTER_DIR, MODEL_DIR};
+use crate::sampler::{Generation, SampleRequest, Sampler, SamplerConfig};
+use crate::verbs::{
     Engine, EngineInfo, ForwardBackwardOutput, Loss, SequenceGroup, TokenOutputs, TrainGroup,
     Weights,
 };
-use crate::error::{Error, Result};
 
 /// Sub-folder of a saved engine state holding the frozen reference model.
 const REFERENCE_DIR: &str = "reference";
@@ -103,40 +101,6 @@ impl Default for LocalEngineOptions {
             max_running_seqs: 256,
             seed: 0,
             export_dtype: SaveDType::BF16,
-        }
-    }
-}
-
-impl LocalEngineOptions {
-    /// The options a run's config implies. The micro-batch token budget is
-    /// `trainer.max_tokens_per_microbatch`, or, when that is `-1`,
-    /// `micro_train_batch_size_per_gpu` sequences of the longest length the run can
-    /// produce; either way at least one longest sequence, so every rollout fits.
-    pub fn from_config(config: &Config) -> Self {
-        let trainer = &config.trainer;
-        let generator = &config.generator;
-        let generate = generator
-            .sampling_params
-            .max_generate_length
-            .max(generator.eval_sampling_params.max_generate_length);
-        let longest = (trainer.max_prompt_length + generator.max_turns.max(1) * generate).max(
-            generator
-                .max_input_length
-                .map_or(0, |input| input + generate),
-        );
-        let budget = if trainer.max_tokens_per_microbatch > 0 {
-            trainer.max_tokens_per_microbatch as usize
-        } else {
-            trainer.micro_train_batch_size_per_gpu.max(1) * longest
-        };
-        Self {
-            device: config.engine.device,
-            threads: config.engine.threads,
-            recompute: config.engine.recompute,
-            max_tokens_per_microbatch: budget.max(longest),
-            memory_fraction: config.engine.memory_fraction,
-            seed: trainer.seed,
-            ..Self::default()
         }
     }
 }
@@ -616,7 +580,7 @@ impl<B: Backend> Engine for LocalEngine<B> {
             }
         };
         out.map_err(|err| match err {
-            Error::Engine(source) if source.is_out_of_memory() => Error::TrainingOutOfMemory {
+            source if source.is_out_of_memory() => Error::TrainingOutOfMemory {
                 source: Box::new(source),
                 tokens: self.options.max_tokens_per_microbatch,
                 recompute: self.options.recompute,

@@ -4,13 +4,13 @@
 //! full weights.
 
 use floe_engine::policy::OptimParams;
+use floe_engine::{
+    AdapterSource, AnyLocalEngine, LocalEngine, LocalEngineOptions, ModelSource, SharedBase,
+};
+use floe_engine::{Engine, Loss, SequenceGroup, TrainGroup, TrainResponse, Weights};
 use floe_model::lora::LoraConfig;
 use floe_model::weights::{load_model_dir, SaveDType};
 use floe_model::{Architecture, ModelConfig};
-use floe_trainer::engine::{Engine, Loss, SequenceGroup, TrainGroup, TrainResponse, Weights};
-use floe_trainer::local::{
-    AdapterSource, AnyLocalEngine, LocalEngine, LocalEngineOptions, ModelSource, SharedBase,
-};
 
 use floe_backend::cpu::CpuBackend;
 

@@ -1,0 +1,160 @@
+//! What a run builds before its loop: the model (tokenizer, chat template, initial
+//! weights) and the engine's options, from the run's config.
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+
+use floe_engine::{LocalEngineOptions, ModelSource};
+use floe_env::dataset::Row;
+use floe_model::chat_template::ChatTemplate;
+use floe_model::embedded::{embedded_model, is_embedded, train_embedded_tokenizer};
+use floe_model::tokenizer::Tokenizer;
+
+use crate::config::Config;
+use crate::data::{reference_answer, row_database};
+use crate::error::{Error, Result};
+
+/// Folder of a run directory holding an embedded model's tokenizer.
+pub const TOKENIZER_DIR: &str = "tokenizer";
+
+/// The local engine's options a run's config implies. The micro-batch token budget is
+/// `trainer.max_tokens_per_microbatch`, or, when that is `-1`,
+/// `micro_train_batch_size_per_gpu` sequences of the longest length the run can
+/// produce; either way at least one longest sequence, so every rollout fits.
+pub fn engine_options(config: &Config) -> LocalEngineOptions {
+    let trainer = &config.trainer;
+    let generator = &config.generator;
+    let generate = generator
+        .sampling_params
+        .max_generate_length
+        .max(generator.eval_sampling_params.max_generate_length);
+    let longest = (trainer.max_prompt_length + generator.max_turns.max(1) * generate).max(
+        generator
+            .max_input_length
+            .map_or(0, |input| input + generate),
+    );
+    let budget = if trainer.max_tokens_per_microbatch > 0 {
+        trainer.max_tokens_per_microbatch as usize
+    } else {
+        trainer.micro_train_batch_size_per_gpu.max(1) * longest
+    };
+    LocalEngineOptions {
+        device: config.engine.device,
+        threads: config.engine.threads,
+        recompute: config.engine.recompute,
+        max_tokens_per_microbatch: budget.max(longest),
+        memory_fraction: config.engine.memory_fraction,
+        seed: trainer.seed,
+        ..LocalEngineOptions::default()
+    }
+}
+
+/// A model ready to load: tokenizer, chat template and where the weights come from.
+pub struct ModelSetup {
+    /// The tokenizer.
+    pub tokenizer: Tokenizer,
+    /// The chat template prompts are rendered with.
+    pub template: ChatTemplate,
+    /// The initial weights.
+    pub source: ModelSource,
+}
+
+/// The model `config.model.path` names: `embedded:tiny` (tokenizer trained on `train_rows`
+/// and saved in the run directory unless `fresh` is false and one is there) or a Hugging
+/// Face folder.
+pub fn model_setup(
+    config: &Config,
+    run_dir: &Path,
+    train_rows: &[Row],
+    fresh: bool,
+) -> Result<ModelSetup> {
+    let path = &config.model.path;
+    let (tokenizer, source) = if is_embedded(path) {
+        let tokenizer_dir = run_dir.join(TOKENIZER_DIR);
+        if fresh && tokenizer_dir.exists() {
+            std::fs::remove_dir_all(&tokenizer_dir).map_err(|source| Error::Io {
+                path: tokenizer_dir.clone(),
+                source,
+            })?;
+        }
+        let labelled = labelled_rows(config, train_rows.iter())?;
+        let tokenizer = embedded_tokenizer(run_dir, train_rows, &labelled)?;
+        let model = embedded_model(path, &tokenizer)
+            .map_err(|e| Error::Data(e.to_string()))?
+            .expect("an embedded path");
+        config.validate_context_length(model.max_position_embeddings)?;
+        let source = ModelSource::Random {
+            config: model,
+            seed: config.trainer.seed,
+        };
+        (tokenizer, source)
+    } else {
+        (
+            Tokenizer::from_dir(path)?,
+            ModelSource::Dir(PathBuf::from(path)),
+        )
+    };
+    let template = ChatTemplate::from_tokenizer(&tokenizer)?.unwrap_or_else(ChatTemplate::qwen3);
+    Ok(ModelSetup {
+        tokenizer,
+        template,
+        source,
+    })
+}
+
+/// Which of the training rows the warm start learns from (none when `sft.enabled` is
+/// off); fails when `sft.max_examples_per_database` names a database no row has.
+pub fn labelled_rows<'a>(
+    config: &Config,
+    rows: impl Iterator<Item = &'a Row> + Clone,
+) -> Result<Vec<bool>> {
+    if let Some(caps) = &config.sft.max_examples_per_database {
+        let databases: BTreeSet<&str> = rows.clone().filter_map(row_database).collect();
+        if let Some(missing) = caps.keys().find(|db| !databases.contains(db.as_str())) {
+            return Err(Error::Data(format!(
+                "sft.max_examples_per_database names `{missing}`, a database no training row \
+                 has (extra_info.db_id: {})",
+                databases.into_iter().collect::<Vec<_>>().join(", ")
+            )));
+        }
+    }
+    if !config.sft.enabled {
+        return Ok(rows.map(|_| false).collect());
+    }
+    Ok(config.sft.example_mask(rows))
+}
+
+/// The tokenizer of an embedded run: the one saved in `<run_dir>/tokenizer/` when there is
+/// one (a resumed run must keep its ids), else one trained on the prompts of `rows` and
+/// the reference answers of the rows marked in `labelled` (the warm start's examples) and saved
+/// there. The rows' `extra_info.constants` stay out of the merges, so every value splits
+/// into the same kind of small pieces and copying one teaches copying the others: with a
+/// value a single token, the model must learn to copy each value on its own, and held-out
+/// accuracy falls several-fold (`docs/benchmarks.md`).
+fn embedded_tokenizer(run_dir: &Path, rows: &[Row], labelled: &[bool]) -> Result<Tokenizer> {
+    let dir = run_dir.join(TOKENIZER_DIR);
+    if dir.join("tokenizer.json").is_file() {
+        return Ok(Tokenizer::from_dir(&dir)?);
+    }
+    let mut texts: Vec<String> = Vec::with_capacity(rows.len() * 3);
+    for (index, row) in rows.iter().enumerate() {
+        let constants: Vec<&str> = row
+            .extra_info()
+            .get("constants")
+            .and_then(|v| v.as_array())
+            .map(|values| values.iter().filter_map(|v| v.as_str()).collect())
+            .unwrap_or_default();
+        let without_constants = |text: &str| {
+            constants
+                .iter()
+                .fold(text.to_string(), |t, c| t.replace(c, " "))
+        };
+        texts.extend(row.prompt.iter().map(|m| without_constants(&m.content)));
+        if let Some(answer) = reference_answer(row).filter(|_| labelled[index]) {
+            texts.push(without_constants(answer));
+        }
+    }
+    let tokenizer = train_embedded_tokenizer(&texts)?;
+    tokenizer.save_dir(&dir)?;
+    Ok(tokenizer)
+}

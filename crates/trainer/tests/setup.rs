@@ -1,0 +1,107 @@
+//! What the trainer builds over the engine: the engine options a recipe implies, and SFT
+//! batches whose examples share a prompt prefix.
+
+use floe_engine::policy::OptimParams;
+use floe_engine::{
+    AnyLocalEngine, Engine, LocalEngineOptions, Loss, ModelSource, TrainGroup, TrainResponse,
+};
+use floe_model::ModelConfig;
+use floe_trainer::setup::engine_options;
+use floe_trainer::sft::{shared_prefix_groups, SftExample};
+
+const OPTIM: OptimParams = OptimParams {
+    lr: 1e-3,
+    beta1: 0.9,
+    beta2: 0.999,
+    eps: 1e-8,
+    weight_decay: 0.01,
+    max_grad_norm: 1.0,
+};
+
+/// The embedded model's shape with random weights, on the CPU.
+fn engine(seed: u64) -> AnyLocalEngine {
+    let options = LocalEngineOptions {
+        kv_cache_bytes: Some(4 << 20),
+        ..LocalEngineOptions::default()
+    };
+    let source = ModelSource::Random {
+        config: ModelConfig::preset("embedded").unwrap(),
+        seed,
+    };
+    AnyLocalEngine::open(source, None, options).unwrap()
+}
+
+/// `len` token ids in `2..64` drawn from `seed`.
+fn tokens(seed: u64, len: usize) -> Vec<u32> {
+    (0..len as u64)
+        .map(|i| 2 + (seed.wrapping_mul(31).wrapping_add(i * 17) % 62) as u32)
+        .collect()
+}
+
+#[test]
+fn options_from_config_fit_the_longest_sequence() {
+    let mut config = floe_trainer::Config::default();
+    config.trainer.max_prompt_length = 100;
+    config.generator.sampling_params.max_generate_length = 50;
+    config.generator.eval_sampling_params.max_generate_length = 20;
+    config.trainer.micro_train_batch_size_per_gpu = 4;
+    assert_eq!(engine_options(&config).max_tokens_per_microbatch, 4 * 150);
+    config.trainer.max_tokens_per_microbatch = 1000;
+    assert_eq!(engine_options(&config).max_tokens_per_microbatch, 1000);
+    // A budget below one whole sequence is raised to it, so every rollout packs.
+    config.trainer.max_tokens_per_microbatch = 10;
+    assert_eq!(engine_options(&config).max_tokens_per_microbatch, 150);
+}
+
+#[test]
+fn sft_groups_sharing_a_prompt_prefix_train_like_single_examples() {
+    // Five examples over two "schemas": prompts share a long prefix within a schema.
+    let examples: Vec<SftExample> = (0..5u64)
+        .map(|i| {
+            let mut prompt = tokens(500 + i % 2, 20);
+            prompt.extend(tokens(600 + i, 3 + i as usize));
+            SftExample {
+                prompt,
+                answer: tokens(700 + i, 2 + i as usize),
+            }
+        })
+        .collect();
+    let shared = shared_prefix_groups(examples.iter());
+    assert_eq!(shared.len(), 2, "one group per schema");
+    let alone: Vec<TrainGroup> = examples
+        .iter()
+        .map(|e| TrainGroup {
+            prompt: e.prompt.clone(),
+            responses: vec![TrainResponse {
+                tokens: e.answer.clone(),
+                loss_mask: vec![1.0; e.answer.len()],
+                advantages: Vec::new(),
+                old_logprobs: Vec::new(),
+                rollout_logprobs: None,
+                ref_logprobs: None,
+            }],
+        })
+        .collect();
+    let mut a = engine(6);
+    let mut b = engine(6);
+    let out_a = a
+        .forward_backward(&alone, &Loss::CrossEntropy, 1.0)
+        .unwrap();
+    let out_b = b
+        .forward_backward(&shared, &Loss::CrossEntropy, 1.0)
+        .unwrap();
+    assert!(
+        (out_a.loss - out_b.loss).abs() <= 1e-5,
+        "{} vs {}",
+        out_a.loss,
+        out_b.loss
+    );
+    let (step_a, step_b) = (a.optim_step(&OPTIM).unwrap(), b.optim_step(&OPTIM).unwrap());
+    let rel = (step_a.grad_norm - step_b.grad_norm).abs() / step_a.grad_norm;
+    assert!(
+        rel <= 1e-4,
+        "grad norms {} vs {}",
+        step_a.grad_norm,
+        step_b.grad_norm
+    );
+}
