@@ -17,7 +17,8 @@
 //! - Every matrix is row-major. Activations are token-major: a packed batch of `T` tokens
 //!   with `H` heads of size `D` is `[T, H, D]`.
 //! - Buffers are flat; every op receives the dimensions it needs and checks buffer
-//!   lengths against them, returning [`Error::Shape`] naming the op and argument.
+//!   lengths against them, returning [`Error::Shape`] naming the op and argument. The
+//!   checks are stated once, in [`contract`], for every backend.
 //! - Ops whose output is a *gradient of a parameter* accumulate (`+=`) into it, so
 //!   micro-batches sum without extra passes. Ops whose output is an activation or the
 //!   gradient of an activation overwrite it.
@@ -25,6 +26,7 @@
 
 #![deny(missing_docs)]
 
+pub mod contract;
 pub mod cpu;
 pub mod cuda;
 mod error;

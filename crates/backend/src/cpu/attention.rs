@@ -14,50 +14,10 @@ use super::float::{dot, max, sum, CpuFloat};
 use super::gemm_serial;
 use crate::{AttnShape, Error, Matmul, Result, Segment};
 
-/// Marks a token that belongs to no segment in [`check_segments`].
-const NO_SEGMENT: u32 = u32::MAX;
-
 /// Most query tokens per block: bounds the score matrix and the work spent on keys past
 /// the causal diagonal (under `QUERY_BLOCK / 2` per query on average), while keeping the
 /// products large enough to run near the GEMM's peak.
 const QUERY_BLOCK: usize = 64;
-
-/// Checks that `segments` lie within `tokens` and do not overlap.
-pub(crate) fn check_segments(op: &'static str, segments: &[Segment], tokens: usize) -> Result<()> {
-    let mut owner = vec![NO_SEGMENT; tokens];
-    for (i, s) in segments.iter().enumerate() {
-        let (start, len) = (s.start as usize, s.len as usize);
-        if start + len > tokens {
-            return Err(Error::Shape {
-                op,
-                msg: format!(
-                    "segment {i} covers tokens {start}..{} of {tokens}",
-                    start + len
-                ),
-            });
-        }
-        if s.prefix_len > 0 && (s.prefix_start + s.prefix_len) as usize > tokens {
-            return Err(Error::Shape {
-                op,
-                msg: format!(
-                    "segment {i} has prefix {}..{} past {tokens} tokens",
-                    s.prefix_start,
-                    s.prefix_start + s.prefix_len
-                ),
-            });
-        }
-        for o in &mut owner[start..start + len] {
-            if *o != NO_SEGMENT {
-                return Err(Error::Shape {
-                    op,
-                    msg: format!("segments {} and {i} overlap", *o),
-                });
-            }
-            *o = i as u32;
-        }
-    }
-    Ok(())
-}
 
 /// Consecutive query tokens `first..first + len` of one sequence, attending with the query
 /// heads of kv head `kv_head`. Its keys (listed by the caller) end with the block's own

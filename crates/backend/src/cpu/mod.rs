@@ -6,8 +6,8 @@
 //! everyday backend; `T = f64` makes uploads and downloads exact, which the
 //! finite-difference gradient checks of the backend and the model rely on.
 //!
-//! Every op checks the lengths and kinds of its arguments against the dimensions it was
-//! given and returns [`Error::Shape`] or [`Error::Kind`] naming the op and the argument.
+//! Every op checks the kinds of its arguments ([`Error::Kind`]), then their shapes against
+//! [`crate::contract`] ([`Error::Shape`]).
 
 mod attention;
 mod float;
@@ -19,6 +19,7 @@ use rayon::prelude::*;
 
 pub use float::CpuFloat;
 
+use crate::contract::{self, Ids, PagedLens};
 use crate::{
     sampling, AdamW, AttnShape, Backend, BufKind, Error, LmHead, Matmul, PagedLayout, Result,
     Sampled, SamplingRow, Segment,
@@ -147,7 +148,14 @@ fn gemm_on<T: CpuFloat>(
     }
 }
 
-// ---- argument checks -------------------------------------------------------------------
+/// `out[i, :] = x[rows[i], :]`, rows of `dim`; checked by the caller.
+fn gather<T: CpuFloat>(out: &mut [T], x: &[T], rows: &[u32], dim: usize) {
+    out.par_chunks_mut(dim)
+        .zip(rows.par_iter())
+        .for_each(|(o, &r)| o.copy_from_slice(&x[r as usize * dim..(r as usize + 1) * dim]));
+}
+
+// ---- argument kinds --------------------------------------------------------------------
 
 fn float_kind<T>(buf: &CpuBuf<T>) -> BufKind {
     match buf {
@@ -230,54 +238,6 @@ fn indices<'a, T>(op: &'static str, arg: &'static str, buf: &'a CpuBuf<T>) -> Re
             got: float_kind(other),
         }),
     }
-}
-
-fn check_len(op: &'static str, arg: &'static str, got: usize, expected: usize) -> Result<()> {
-    if got == expected {
-        Ok(())
-    } else {
-        Err(Error::Shape {
-            op,
-            msg: format!("`{arg}` has {got} elements, expected {expected}"),
-        })
-    }
-}
-
-/// Checks every id is below `bound` (rows of the table it indexes).
-fn check_ids(op: &'static str, arg: &'static str, ids: &[u32], bound: usize) -> Result<()> {
-    match ids.iter().position(|&i| i as usize >= bound) {
-        None => Ok(()),
-        Some(at) => Err(Error::Shape {
-            op,
-            msg: format!("`{arg}[{at}]` = {} is out of range 0..{bound}", ids[at]),
-        }),
-    }
-}
-
-fn check_attn_shape(op: &'static str, shape: &AttnShape) -> Result<()> {
-    if shape.kv_heads == 0 || shape.head_dim == 0 || shape.q_heads % shape.kv_heads != 0 {
-        return Err(Error::Shape {
-            op,
-            msg: format!(
-                "q_heads {} must be a positive multiple of kv_heads {} and head_dim {} positive",
-                shape.q_heads, shape.kv_heads, shape.head_dim
-            ),
-        });
-    }
-    Ok(())
-}
-
-fn check_lm_head(op: &'static str, spec: &LmHead) -> Result<()> {
-    if spec.chunk_rows == 0 || spec.vocab == 0 {
-        return Err(Error::Shape {
-            op,
-            msg: format!(
-                "chunk_rows ({}) and vocab ({}) must be positive",
-                spec.chunk_rows, spec.vocab
-            ),
-        });
-    }
-    Ok(())
 }
 
 impl<T: CpuFloat> Backend for CpuBackend<T> {
@@ -387,7 +347,7 @@ impl<T: CpuFloat> Backend for CpuBackend<T> {
 
     fn copy(&self, dst: &mut CpuBuf<T>, src: &CpuBuf<T>) -> Result<()> {
         const OP: &str = "copy";
-        check_len(OP, "src", self.len(src), self.len(dst))?;
+        contract::copy(self.len(dst), self.len(src))?;
         match (dst, src) {
             (CpuBuf::Index(d), CpuBuf::Index(s)) => d.copy_from_slice(s),
             (CpuBuf::Float { data: d, .. }, CpuBuf::Float { data: s, .. }) => d.copy_from_slice(s),
@@ -405,15 +365,8 @@ impl<T: CpuFloat> Backend for CpuBackend<T> {
 
     fn copy_into(&self, dst: &mut CpuBuf<T>, offset: usize, src: &CpuBuf<T>) -> Result<()> {
         const OP: &str = "copy_into";
-        let (dst_len, src_len) = (self.len(dst), self.len(src));
-        if offset + src_len > dst_len {
-            return Err(Error::Shape {
-                op: OP,
-                msg: format!(
-                    "`src` of {src_len} elements at offset {offset} overruns `dst` of {dst_len}"
-                ),
-            });
-        }
+        let src_len = self.len(src);
+        contract::copy_into(self.len(dst), offset, src_len)?;
         if float_kind(dst) != float_kind(src) {
             return Err(Error::Kind {
                 op: OP,
@@ -446,7 +399,7 @@ impl<T: CpuFloat> Backend for CpuBackend<T> {
         const OP: &str = "add_assign";
         let x = floats(OP, "x", x)?;
         let y = floats_mut(OP, "y", y)?;
-        check_len(OP, "x", x.len(), y.len())?;
+        contract::add_assign(y.len(), x.len())?;
         y.par_chunks_mut(ELEMENTWISE_CHUNK)
             .zip(x.par_chunks(ELEMENTWISE_CHUNK))
             .for_each(|(y, x)| {
@@ -486,17 +439,8 @@ impl<T: CpuFloat> Backend for CpuBackend<T> {
         let rows = indices(OP, "rows", rows)?;
         let x = floats(OP, "x", x)?;
         let out = floats_mut(OP, "out", out)?;
-        check_len(OP, "out", out.len(), rows.len() * dim)?;
-        if dim == 0 || x.len() % dim != 0 {
-            return Err(Error::Shape {
-                op: OP,
-                msg: format!("`x` of {} elements is not whole rows of {dim}", x.len()),
-            });
-        }
-        check_ids(OP, "rows", rows, x.len() / dim)?;
-        out.par_chunks_mut(dim)
-            .zip(rows.par_iter())
-            .for_each(|(o, &r)| o.copy_from_slice(&x[r as usize * dim..(r as usize + 1) * dim]));
+        contract::gather_rows(out.len(), x.len(), Ids::Host(rows), dim)?;
+        gather(out, x, rows, dim);
         Ok(())
     }
 
@@ -514,9 +458,7 @@ impl<T: CpuFloat> Backend for CpuBackend<T> {
         let a = floats(OP, "a", a)?;
         let b = floats(OP, "b", b)?;
         let c = floats_mut(OP, "c", c)?;
-        check_len(OP, "a", a.len(), dims.m * dims.k)?;
-        check_len(OP, "b", b.len(), dims.k * dims.n)?;
-        check_len(OP, "c", c.len(), dims.m * dims.n)?;
+        contract::matmul(c.len(), a.len(), b.len(), dims)?;
         gemm(c, a, b, dims, accumulate, T::ONE);
         Ok(())
     }
@@ -531,8 +473,7 @@ impl<T: CpuFloat> Backend for CpuBackend<T> {
         const OP: &str = "add_bias";
         let bias = floats(OP, "bias", bias)?;
         let y = floats_mut(OP, "y", y)?;
-        check_len(OP, "bias", bias.len(), cols)?;
-        check_len(OP, "y", y.len(), rows * cols)?;
+        contract::add_bias(y.len(), bias.len(), rows, cols)?;
         if cols == 0 {
             return Ok(());
         }
@@ -554,8 +495,7 @@ impl<T: CpuFloat> Backend for CpuBackend<T> {
         const OP: &str = "add_bias_backward";
         let dy = floats(OP, "dy", dy)?;
         let dbias = floats_mut(OP, "dbias", dbias)?;
-        check_len(OP, "dbias", dbias.len(), cols)?;
-        check_len(OP, "dy", dy.len(), rows * cols)?;
+        contract::add_bias_backward(dbias.len(), dy.len(), rows, cols)?;
         if cols == 0 {
             return Ok(());
         }
@@ -576,25 +516,13 @@ impl<T: CpuFloat> Backend for CpuBackend<T> {
         ids: &CpuBuf<T>,
         dim: usize,
     ) -> Result<()> {
-        self.gather_rows(out, table, ids, dim).map_err(|e| match e {
-            Error::Shape { msg, .. } => Error::Shape {
-                op: "embedding_forward",
-                msg: msg.replace("`x`", "`table`").replace("`rows", "`ids"),
-            },
-            Error::Kind {
-                arg, expected, got, ..
-            } => Error::Kind {
-                op: "embedding_forward",
-                arg: match arg {
-                    "x" => "table",
-                    "rows" => "ids",
-                    other => other,
-                },
-                expected,
-                got,
-            },
-            other => other,
-        })
+        const OP: &str = "embedding_forward";
+        let ids = indices(OP, "ids", ids)?;
+        let table = floats(OP, "table", table)?;
+        let out = floats_mut(OP, "out", out)?;
+        contract::embedding_forward(out.len(), table.len(), Ids::Host(ids), dim)?;
+        gather(out, table, ids, dim);
+        Ok(())
     }
 
     fn embedding_backward(
@@ -608,17 +536,7 @@ impl<T: CpuFloat> Backend for CpuBackend<T> {
         let ids = indices(OP, "ids", ids)?;
         let dout = floats(OP, "dout", dout)?;
         let dtable = floats_mut(OP, "dtable", dtable)?;
-        check_len(OP, "dout", dout.len(), ids.len() * dim)?;
-        if dim == 0 || dtable.len() % dim != 0 {
-            return Err(Error::Shape {
-                op: OP,
-                msg: format!(
-                    "`dtable` of {} elements is not whole rows of {dim}",
-                    dtable.len()
-                ),
-            });
-        }
-        check_ids(OP, "ids", ids, dtable.len() / dim)?;
+        contract::embedding_backward(dtable.len(), dout.len(), Ids::Host(ids), dim)?;
         for (row, &id) in dout.chunks(dim).zip(ids) {
             let id = id as usize;
             for (d, &g) in dtable[id * dim..(id + 1) * dim].iter_mut().zip(row) {
@@ -645,10 +563,7 @@ impl<T: CpuFloat> Backend for CpuBackend<T> {
         let w = floats(OP, "w", w)?;
         let out = floats_mut(OP, "out", out)?;
         let rstd = full_mut(OP, "rstd", rstd)?;
-        check_len(OP, "x", x.len(), rows * dim)?;
-        check_len(OP, "w", w.len(), dim)?;
-        check_len(OP, "out", out.len(), rows * dim)?;
-        check_len(OP, "rstd", rstd.len(), rows)?;
+        contract::rmsnorm_forward(out.len(), rstd.len(), x.len(), w.len(), rows, dim)?;
         if dim == 0 {
             return Ok(());
         }
@@ -685,12 +600,16 @@ impl<T: CpuFloat> Backend for CpuBackend<T> {
         let rstd = full(OP, "rstd", rstd)?;
         let dx = floats_mut(OP, "dx", dx)?;
         let dw = floats_mut(OP, "dw", dw)?;
-        for (arg, len) in [("dout", dout.len()), ("x", x.len()), ("dx", dx.len())] {
-            check_len(OP, arg, len, rows * dim)?;
-        }
-        check_len(OP, "w", w.len(), dim)?;
-        check_len(OP, "dw", dw.len(), dim)?;
-        check_len(OP, "rstd", rstd.len(), rows)?;
+        contract::rmsnorm_backward(
+            dx.len(),
+            dw.len(),
+            dout.len(),
+            x.len(),
+            w.len(),
+            rstd.len(),
+            rows,
+            dim,
+        )?;
         if dim == 0 {
             return Ok(());
         }
@@ -735,16 +654,15 @@ impl<T: CpuFloat> Backend for CpuBackend<T> {
         let positions = indices(OP, "positions", positions)?;
         let inv_freq = full(OP, "inv_freq", inv_freq)?;
         let x = floats_mut(OP, "x", x)?;
-        if head_dim % 2 != 0 {
-            return Err(Error::Shape {
-                op: OP,
-                msg: format!("head_dim {head_dim} must be even"),
-            });
-        }
+        contract::rope(
+            x.len(),
+            positions.len(),
+            inv_freq.len(),
+            tokens,
+            heads,
+            head_dim,
+        )?;
         let half = head_dim / 2;
-        check_len(OP, "positions", positions.len(), tokens)?;
-        check_len(OP, "inv_freq", inv_freq.len(), half)?;
-        check_len(OP, "x", x.len(), tokens * heads * head_dim)?;
         if heads == 0 || half == 0 {
             return Ok(());
         }
@@ -800,25 +718,20 @@ impl<T: CpuFloat> Backend for CpuBackend<T> {
         shape: AttnShape,
     ) -> Result<()> {
         const OP: &str = "attention_forward";
-        check_attn_shape(OP, &shape)?;
-        let AttnShape {
-            tokens,
-            q_heads,
-            kv_heads,
-            head_dim,
-            ..
-        } = shape;
         let q = floats(OP, "q", q)?;
         let k = floats(OP, "k", k)?;
         let v = floats(OP, "v", v)?;
         let out = floats_mut(OP, "out", out)?;
         let lse = full_mut(OP, "lse", lse)?;
-        check_len(OP, "q", q.len(), tokens * q_heads * head_dim)?;
-        check_len(OP, "k", k.len(), tokens * kv_heads * head_dim)?;
-        check_len(OP, "v", v.len(), tokens * kv_heads * head_dim)?;
-        check_len(OP, "out", out.len(), tokens * q_heads * head_dim)?;
-        check_len(OP, "lse", lse.len(), tokens * q_heads)?;
-        attention::check_segments(OP, segments, tokens)?;
+        contract::attention_forward(
+            out.len(),
+            lse.len(),
+            q.len(),
+            k.len(),
+            v.len(),
+            segments,
+            shape,
+        )?;
         attention::forward(out, lse, q, k, v, segments, shape);
         Ok(())
     }
@@ -838,15 +751,6 @@ impl<T: CpuFloat> Backend for CpuBackend<T> {
         shape: AttnShape,
     ) -> Result<()> {
         const OP: &str = "attention_backward";
-        check_attn_shape(OP, &shape)?;
-        let AttnShape {
-            tokens,
-            q_heads,
-            kv_heads,
-            head_dim,
-            ..
-        } = shape;
-        let (q_len, kv_len) = (tokens * q_heads * head_dim, tokens * kv_heads * head_dim);
         let dout = floats(OP, "dout", dout)?;
         let out = floats(OP, "out", out)?;
         let lse = full(OP, "lse", lse)?;
@@ -856,17 +760,19 @@ impl<T: CpuFloat> Backend for CpuBackend<T> {
         let dq = floats_mut(OP, "dq", dq)?;
         let dk = floats_mut(OP, "dk", dk)?;
         let dv = floats_mut(OP, "dv", dv)?;
-        for (arg, len) in [("dout", dout.len()), ("out", out.len()), ("q", q.len())] {
-            check_len(OP, arg, len, q_len)?;
-        }
-        check_len(OP, "dq", dq.len(), q_len)?;
-        for (arg, len) in [("k", k.len()), ("v", v.len())] {
-            check_len(OP, arg, len, kv_len)?;
-        }
-        check_len(OP, "dk", dk.len(), kv_len)?;
-        check_len(OP, "dv", dv.len(), kv_len)?;
-        check_len(OP, "lse", lse.len(), tokens * q_heads)?;
-        attention::check_segments(OP, segments, tokens)?;
+        contract::attention_backward(
+            dq.len(),
+            dk.len(),
+            dv.len(),
+            dout.len(),
+            out.len(),
+            lse.len(),
+            q.len(),
+            k.len(),
+            v.len(),
+            segments,
+            shape,
+        )?;
         dq.fill(T::ZERO);
         dk.fill(T::ZERO);
         dv.fill(T::ZERO);
@@ -892,20 +798,16 @@ impl<T: CpuFloat> Backend for CpuBackend<T> {
         let v = floats(OP, "v", v)?;
         let k_cache = floats_mut(OP, "k_cache", k_cache)?;
         let v_cache = floats_mut(OP, "v_cache", v_cache)?;
+        contract::kv_cache_write(
+            k_cache.len(),
+            v_cache.len(),
+            k.len(),
+            v.len(),
+            Ids::Host(slots),
+            kv_heads,
+            head_dim,
+        )?;
         let row = kv_heads * head_dim;
-        check_len(OP, "k", k.len(), slots.len() * row)?;
-        check_len(OP, "v", v.len(), slots.len() * row)?;
-        check_len(OP, "v_cache", v_cache.len(), k_cache.len())?;
-        if row == 0 || k_cache.len() % row != 0 {
-            return Err(Error::Shape {
-                op: OP,
-                msg: format!(
-                    "`k_cache` of {} elements is not whole slots of {row}",
-                    k_cache.len()
-                ),
-            });
-        }
-        check_ids(OP, "slots", slots, k_cache.len() / row)?;
         for (t, &slot) in slots.iter().enumerate() {
             let (src, dst) = (t * row..(t + 1) * row, slot as usize * row);
             k_cache[dst..dst + row].copy_from_slice(&k[src.clone()]);
@@ -924,14 +826,6 @@ impl<T: CpuFloat> Backend for CpuBackend<T> {
         shape: AttnShape,
     ) -> Result<()> {
         const OP: &str = "paged_attention";
-        check_attn_shape(OP, &shape)?;
-        let AttnShape {
-            tokens,
-            q_heads,
-            kv_heads,
-            head_dim,
-            ..
-        } = shape;
         let q = floats(OP, "q", q)?;
         let k_cache = floats(OP, "k_cache", k_cache)?;
         let v_cache = floats(OP, "v_cache", v_cache)?;
@@ -939,44 +833,23 @@ impl<T: CpuFloat> Backend for CpuBackend<T> {
         let block_tables = indices(OP, "block_tables", layout.block_tables)?;
         let token_seq = indices(OP, "token_seq", layout.token_seq)?;
         let token_pos = indices(OP, "token_pos", layout.token_pos)?;
-        check_len(OP, "q", q.len(), tokens * q_heads * head_dim)?;
-        check_len(OP, "out", out.len(), tokens * q_heads * head_dim)?;
-        check_len(OP, "token_seq", token_seq.len(), tokens)?;
-        check_len(OP, "token_pos", token_pos.len(), tokens)?;
-        check_len(OP, "v_cache", v_cache.len(), k_cache.len())?;
-        let block_elems = layout.block_size * kv_heads * head_dim;
-        if block_elems == 0 || k_cache.len() % block_elems != 0 {
-            return Err(Error::Shape {
-                op: OP,
-                msg: format!(
-                    "`k_cache` of {} elements is not whole blocks of {} slots × {kv_heads} heads × {head_dim}",
-                    k_cache.len(),
-                    layout.block_size
-                ),
-            });
-        }
-        if layout.max_blocks == 0 || block_tables.len() % layout.max_blocks != 0 {
-            return Err(Error::Shape {
-                op: OP,
-                msg: format!(
-                    "`block_tables` of {} entries is not whole rows of max_blocks {}",
-                    block_tables.len(),
-                    layout.max_blocks
-                ),
-            });
-        }
-        if let Some(t) = token_pos
-            .iter()
-            .position(|&p| p as usize >= layout.max_context)
-        {
-            return Err(Error::Shape {
-                op: OP,
-                msg: format!(
-                    "`token_pos[{t}]` = {} is not below max_context {}",
-                    token_pos[t], layout.max_context
-                ),
-            });
-        }
+        let lens = PagedLens {
+            block_tables: block_tables.len(),
+            max_blocks: layout.max_blocks,
+            block_size: layout.block_size,
+            token_seq: token_seq.len(),
+            token_pos: Ids::Host(token_pos),
+            max_context: layout.max_context,
+        };
+        contract::paged_attention(
+            out.len(),
+            q.len(),
+            k_cache.len(),
+            v_cache.len(),
+            lens,
+            shape,
+        )?;
+        let block_elems = layout.block_size * shape.kv_heads * shape.head_dim;
         let index = attention::PagedIndex {
             block_tables,
             max_blocks: layout.max_blocks,
@@ -995,8 +868,7 @@ impl<T: CpuFloat> Backend for CpuBackend<T> {
         let gate = floats(OP, "gate", gate)?;
         let up = floats(OP, "up", up)?;
         let out = floats_mut(OP, "out", out)?;
-        check_len(OP, "up", up.len(), gate.len())?;
-        check_len(OP, "out", out.len(), gate.len())?;
+        contract::swiglu_forward(out.len(), gate.len(), up.len())?;
         out.par_chunks_mut(ELEMENTWISE_CHUNK)
             .zip(gate.par_chunks(ELEMENTWISE_CHUNK))
             .zip(up.par_chunks(ELEMENTWISE_CHUNK))
@@ -1022,12 +894,7 @@ impl<T: CpuFloat> Backend for CpuBackend<T> {
         let up = floats(OP, "up", up)?;
         let dgate = floats_mut(OP, "dgate", dgate)?;
         let dup = floats_mut(OP, "dup", dup)?;
-        let n = gate.len();
-        for (arg, len) in [("dout", dout.len()), ("up", up.len())] {
-            check_len(OP, arg, len, n)?;
-        }
-        check_len(OP, "dgate", dgate.len(), n)?;
-        check_len(OP, "dup", dup.len(), n)?;
+        contract::swiglu_backward(dgate.len(), dup.len(), dout.len(), gate.len(), up.len())?;
         // silu(g) = g σ(g), silu'(g) = σ(g) (1 + g (1 − σ(g))).
         let chunk = ELEMENTWISE_CHUNK;
         dgate
@@ -1059,20 +926,21 @@ impl<T: CpuFloat> Backend for CpuBackend<T> {
         spec: LmHead,
     ) -> Result<()> {
         const OP: &str = "lm_head_forward";
-        check_lm_head(OP, &spec)?;
         let hidden = floats(OP, "hidden", hidden)?;
         let w = floats(OP, "w", w)?;
         let targets = indices(OP, "targets", targets)?;
         let logprobs = full_mut(OP, "logprobs", logprobs)?;
         let entropy = full_mut(OP, "entropy", entropy)?;
         let lse = full_mut(OP, "lse", lse)?;
-        check_len(OP, "hidden", hidden.len(), spec.tokens * spec.dim)?;
-        check_len(OP, "w", w.len(), spec.vocab * spec.dim)?;
-        check_len(OP, "targets", targets.len(), spec.tokens)?;
-        check_len(OP, "logprobs", logprobs.len(), spec.tokens)?;
-        check_len(OP, "entropy", entropy.len(), spec.tokens)?;
-        check_len(OP, "lse", lse.len(), spec.tokens)?;
-        check_ids(OP, "targets", targets, spec.vocab)?;
+        contract::lm_head_forward(
+            logprobs.len(),
+            entropy.len(),
+            lse.len(),
+            hidden.len(),
+            w.len(),
+            Ids::Host(targets),
+            spec,
+        )?;
         lm_head::forward(logprobs, entropy, lse, hidden, w, targets, spec);
         Ok(())
     }
@@ -1090,7 +958,6 @@ impl<T: CpuFloat> Backend for CpuBackend<T> {
         spec: LmHead,
     ) -> Result<()> {
         const OP: &str = "lm_head_backward";
-        check_lm_head(OP, &spec)?;
         let dlogprobs = full(OP, "dlogprobs", dlogprobs)?;
         let dentropy = full(OP, "dentropy", dentropy)?;
         let hidden = floats(OP, "hidden", hidden)?;
@@ -1099,19 +966,17 @@ impl<T: CpuFloat> Backend for CpuBackend<T> {
         let lse = full(OP, "lse", lse)?;
         let dhidden = floats_mut(OP, "dhidden", dhidden)?;
         let dw = floats_mut(OP, "dw", dw)?;
-        check_len(OP, "hidden", hidden.len(), spec.tokens * spec.dim)?;
-        check_len(OP, "dhidden", dhidden.len(), spec.tokens * spec.dim)?;
-        check_len(OP, "w", w.len(), spec.vocab * spec.dim)?;
-        check_len(OP, "dw", dw.len(), spec.vocab * spec.dim)?;
-        for (arg, len) in [
-            ("dlogprobs", dlogprobs.len()),
-            ("dentropy", dentropy.len()),
-            ("targets", targets.len()),
-            ("lse", lse.len()),
-        ] {
-            check_len(OP, arg, len, spec.tokens)?;
-        }
-        check_ids(OP, "targets", targets, spec.vocab)?;
+        contract::lm_head_backward(
+            dhidden.len(),
+            dw.len(),
+            dlogprobs.len(),
+            dentropy.len(),
+            hidden.len(),
+            w.len(),
+            Ids::Host(targets),
+            lse.len(),
+            spec,
+        )?;
         lm_head::backward(
             dhidden, dw, dlogprobs, dentropy, hidden, w, targets, lse, spec,
         );
@@ -1128,13 +993,7 @@ impl<T: CpuFloat> Backend for CpuBackend<T> {
     ) -> Result<Vec<Sampled>> {
         const OP: &str = "sample";
         let logits = floats(OP, "logits", logits)?;
-        check_len(OP, "logits", logits.len(), rows.len() * vocab)?;
-        if vocab == 0 {
-            return Err(Error::Shape {
-                op: OP,
-                msg: "vocab must be positive".into(),
-            });
-        }
+        contract::sample(logits.len(), vocab, rows.len())?;
         Ok(logits
             .par_chunks(vocab)
             .zip(rows.par_iter())
@@ -1157,28 +1016,16 @@ impl<T: CpuFloat> Backend for CpuBackend<T> {
         hp: AdamW,
     ) -> Result<()> {
         const OP: &str = "adamw";
-        if hp.step == 0 {
-            return Err(Error::Shape {
-                op: OP,
-                msg: "`step` is 1-based; got 0".into(),
-            });
-        }
         let grad = full(OP, "grad", grad)?;
         let param = full_mut(OP, "param", param)?;
         let m = full_mut(OP, "m", m)?;
         let v = full_mut(OP, "v", v)?;
-        let n = param.len();
-        check_len(OP, "grad", grad.len(), n)?;
-        check_len(OP, "m", m.len(), n)?;
-        check_len(OP, "v", v.len(), n)?;
         let compute = match compute {
-            Some(c) => {
-                let c = floats_mut(OP, "compute", c)?;
-                check_len(OP, "compute", c.len(), n)?;
-                Some(c)
-            }
+            Some(c) => Some(floats_mut(OP, "compute", c)?),
             None => None,
         };
+        let n_compute = compute.as_ref().map(|c| c.len());
+        contract::adamw(param.len(), grad.len(), m.len(), v.len(), n_compute, &hp)?;
         let f = |x: f32| T::from_f32(x);
         let (b1, b2) = (f(hp.beta1), f(hp.beta2));
         let step = i32::try_from(hp.step).unwrap_or(i32::MAX);

@@ -1,7 +1,7 @@
 //! Host-side work lists of the packed-segment attention kernels (see
 //! `kernels/attention.cu` for how each list is read).
 
-use crate::{Error, Result, Segment};
+use crate::Segment;
 
 /// Query rows per forward / dQ block (`Q_TILE` in `attention.cu`).
 pub(crate) const QUERY_TILE: u32 = 64;
@@ -54,35 +54,13 @@ impl WorkLists {
     }
 }
 
-/// Checks `segments` against `tokens` and builds the work lists; `with_keys` adds the
-/// key-tile lists the backward's dK/dV kernel needs.
-pub(crate) fn work_lists(
-    op: &'static str,
-    segments: &[Segment],
-    tokens: usize,
-    with_keys: bool,
-) -> Result<WorkLists> {
+/// The work lists of `segments` (checked against the op's contract by the caller);
+/// `with_keys` adds the key-tile lists the backward's dK/dV kernel needs.
+pub(crate) fn work_lists(segments: &[Segment], with_keys: bool) -> WorkLists {
     let mut segs = Vec::with_capacity(segments.len() * 4);
     // (keys read, [segment, lo, hi]) per query tile.
     let mut q_work: Vec<(u32, [u32; 3])> = Vec::new();
     for (i, s) in segments.iter().enumerate() {
-        let end = s.start as usize + s.len as usize;
-        let prefix_end = s.prefix_start as usize + s.prefix_len as usize;
-        if end > tokens || (s.prefix_len > 0 && prefix_end > tokens) {
-            return Err(Error::Shape {
-                op,
-                msg: format!("segment {i} ({s:?}) reaches past {tokens} tokens"),
-            });
-        }
-        if s.prefix_len > 0
-            && s.prefix_start < s.start + s.len
-            && s.start < s.prefix_start + s.prefix_len
-        {
-            return Err(Error::Shape {
-                op,
-                msg: format!("segment {i} ({s:?}) overlaps its own prefix"),
-            });
-        }
         let prefix_start = if s.prefix_len > 0 { s.prefix_start } else { 0 };
         segs.extend([s.start, s.len, prefix_start, s.prefix_len]);
         let mut lo = s.start;
@@ -147,11 +125,11 @@ pub(crate) fn work_lists(
         ranges.extend(readers.into_iter().flatten());
         tile_ranges.push((ranges.len() / 3) as u32);
     }
-    Ok(WorkLists {
+    WorkLists {
         segs,
         query_tiles,
         key_tiles,
         tile_ranges,
         ranges,
-    })
+    }
 }

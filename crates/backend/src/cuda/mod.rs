@@ -8,7 +8,8 @@
 //! - `device.rs`: context, stream, cuBLAS handle and workspace, buffers, the per-process
 //!   NVRTC cache (one program per `kernels/*.cu`, compiled for the device's `sm_XY` on
 //!   first use) and the row-major GEMM wrapper over `cublasGemmEx`.
-//! - `ops.rs`: the [`crate::Backend`] implementation: host-side checks, then launches.
+//! - `ops.rs`: the [`crate::Backend`] implementation: host-side checks (the shapes by
+//!   [`crate::contract`]), then launches.
 //! - `attention.rs`: the work lists (query tiles, key tiles and the query ranges that
 //!   read each key tile) of the packed-segment attention kernels.
 //! - `kernels/`: CUDA C sources, one file per family of ops, each with its reference in

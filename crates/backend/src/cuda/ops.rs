@@ -1,25 +1,16 @@
-//! [`Backend`] for [`CudaBackend`]: argument checks on the host, then one or a few kernel
-//! launches (or cuBLAS calls) per op, all on the backend's stream.
+//! [`Backend`] for [`CudaBackend`]: argument kinds, then [`crate::contract`], checked on
+//! the host, then one or a few kernel launches (or cuBLAS calls) per op, all on the
+//! backend's stream.
 
 use cudarc::driver::LaunchConfig;
 
 use super::attention::{dkdv_shared_bytes, forward_shared_bytes, work_lists, THREADS};
 use super::device::{dtype_code, int, Arg, CudaBackend, CudaBuf, Module, Storage};
+use crate::contract::{self, Ids, PagedLens};
 use crate::{
     sampling, AdamW, AttnShape, Backend, BufKind, Error, LmHead, Matmul, PagedLayout, Result,
     Sampled, SamplingRow, Segment,
 };
-
-fn check_len(op: &'static str, arg: &str, got: usize, want: usize) -> Result<()> {
-    if got == want {
-        Ok(())
-    } else {
-        Err(Error::Shape {
-            op,
-            msg: format!("`{arg}` has {got} elements, expected {want}"),
-        })
-    }
-}
 
 fn need(op: &'static str, arg: &'static str, buf: &CudaBuf, kind: BufKind) -> Result<()> {
     if buf.kind == kind {
@@ -51,30 +42,20 @@ fn i64_arg(n: usize) -> Arg {
     Arg::I64(n as i64)
 }
 
-fn check_attn_shape(op: &'static str, shape: &AttnShape) -> Result<()> {
-    if shape.kv_heads == 0 || shape.q_heads % shape.kv_heads != 0 {
-        return Err(Error::Shape {
-            op,
-            msg: format!(
-                "q_heads {} is not a multiple of kv_heads {}",
-                shape.q_heads, shape.kv_heads
-            ),
-        });
+/// The head sizes the attention kernels are instantiated for: a limit of this backend, not
+/// of the op's contract.
+fn supported_head_dim(op: &'static str, head_dim: usize) -> Result<()> {
+    if matches!(head_dim, 32 | 64 | 128) {
+        return Ok(());
     }
-    if !matches!(shape.head_dim, 32 | 64 | 128) {
-        return Err(Error::Shape {
-            op,
-            msg: format!(
-                "head_dim {} unsupported on CUDA (32, 64 or 128)",
-                shape.head_dim
-            ),
-        });
-    }
-    Ok(())
+    Err(Error::Shape {
+        op,
+        msg: format!("head_dim {head_dim} unsupported on CUDA (32, 64 or 128)"),
+    })
 }
 
 /// The instantiation of attention kernel `name` for `head_dim` (checked by
-/// `check_attn_shape`).
+/// `supported_head_dim`).
 fn attention_kernel(name: &'static str, head_dim: usize) -> &'static str {
     match (name, head_dim) {
         ("attention_forward", 32) => "attention_forward_d32",
@@ -93,12 +74,9 @@ fn attention_kernel(name: &'static str, head_dim: usize) -> &'static str {
 }
 
 /// The attention kernels take bf16 q/k/v/out/grads and f32 lse.
-fn compute_args(op: &'static str, args: &[(&'static str, &CudaBuf)], len: usize) -> Result<()> {
-    for &(name, buf) in args {
-        need(op, name, buf, BufKind::Compute)?;
-        check_len(op, name, buf.len, len)?;
-    }
-    Ok(())
+fn compute_args(op: &'static str, args: &[(&'static str, &CudaBuf)]) -> Result<()> {
+    args.iter()
+        .try_for_each(|&(name, buf)| need(op, name, buf, BufKind::Compute))
 }
 
 fn cfg(grid: (u32, u32, u32), threads: u32) -> LaunchConfig {
@@ -124,6 +102,32 @@ impl CudaBackend {
             }
         }
         Ok(buf)
+    }
+
+    /// `out[i, :] = x[rows[i], :]` (`gather_rows`, `embedding_forward`), checked by the
+    /// caller; `odt`, `xdt` the type codes.
+    fn gather(
+        &self,
+        op: &'static str,
+        (out, odt): (&CudaBuf, Arg),
+        (x, xdt): (&CudaBuf, Arg),
+        rows: &CudaBuf,
+        dim: usize,
+    ) -> Result<()> {
+        self.launch(
+            Module::Elementwise,
+            "gather_rows",
+            self.rows_cols(rows.len, dim),
+            &[
+                self.p(out),
+                odt,
+                self.p(x),
+                xdt,
+                self.p(rows),
+                int(op, "rows", rows.len)?,
+                int(op, "dim", dim)?,
+            ],
+        )
     }
 
     /// Grid for the one-warp-per-row kernels.
@@ -316,7 +320,7 @@ impl Backend for CudaBackend {
 
     fn copy(&self, dst: &mut CudaBuf, src: &CudaBuf) -> Result<()> {
         const OP: &str = "copy";
-        check_len(OP, "src", src.len, dst.len)?;
+        contract::copy(dst.len, src.len)?;
         let n = src.len;
         if n == 0 {
             return Ok(());
@@ -364,15 +368,7 @@ impl Backend for CudaBackend {
             });
         }
         let n = src.len;
-        if offset + n > dst.len {
-            return Err(Error::Shape {
-                op: OP,
-                msg: format!(
-                    "`src` of {n} elements at offset {offset} overruns `dst` of {}",
-                    dst.len
-                ),
-            });
-        }
+        contract::copy_into(dst.len, offset, n)?;
         if n == 0 {
             return Ok(());
         }
@@ -406,7 +402,7 @@ impl Backend for CudaBackend {
         const OP: &str = "add_assign";
         let ydt = float(OP, "y", y)?;
         let xdt = float(OP, "x", x)?;
-        check_len(OP, "x", x.len, y.len)?;
+        contract::add_assign(y.len, x.len)?;
         self.launch(
             Module::Elementwise,
             "add_assign",
@@ -458,27 +454,8 @@ impl Backend for CudaBackend {
         let odt = float(OP, "out", out)?;
         let xdt = float(OP, "x", x)?;
         need(OP, "rows", rows, BufKind::Index)?;
-        check_len(OP, "out", out.len, rows.len * dim)?;
-        if dim == 0 || x.len % dim != 0 {
-            return Err(Error::Shape {
-                op: OP,
-                msg: format!("`x` of {} elements is not whole rows of {dim}", x.len),
-            });
-        }
-        self.launch(
-            Module::Elementwise,
-            "gather_rows",
-            self.rows_cols(rows.len, dim),
-            &[
-                self.p(out),
-                odt,
-                self.p(x),
-                xdt,
-                self.p(rows),
-                int(OP, "rows", rows.len)?,
-                int(OP, "dim", dim)?,
-            ],
-        )
+        contract::gather_rows(out.len, x.len, Ids::Device(rows.len), dim)?;
+        self.gather(OP, (out, odt), (x, xdt), rows, dim)
     }
 
     // ---- dense -----------------------------------------------------------------------
@@ -495,9 +472,7 @@ impl Backend for CudaBackend {
         float(OP, "a", a)?;
         float(OP, "b", b)?;
         float(OP, "c", c)?;
-        check_len(OP, "a", a.len, dims.m * dims.k)?;
-        check_len(OP, "b", b.len, dims.k * dims.n)?;
-        check_len(OP, "c", c.len, dims.m * dims.n)?;
+        contract::matmul(c.len, a.len, b.len, dims)?;
         if a.kind != b.kind {
             return Err(Error::Kind {
                 op: OP,
@@ -528,8 +503,7 @@ impl Backend for CudaBackend {
         const OP: &str = "add_bias";
         let ydt = float(OP, "y", y)?;
         let bdt = float(OP, "bias", bias)?;
-        check_len(OP, "bias", bias.len, cols)?;
-        check_len(OP, "y", y.len, rows * cols)?;
+        contract::add_bias(y.len, bias.len, rows, cols)?;
         self.launch(
             Module::Elementwise,
             "add_bias",
@@ -555,8 +529,7 @@ impl Backend for CudaBackend {
         const OP: &str = "add_bias_backward";
         need(OP, "dbias", dbias, BufKind::Full)?;
         float(OP, "dy", dy)?;
-        check_len(OP, "dbias", dbias.len, cols)?;
-        check_len(OP, "dy", dy.len, rows * cols)?;
+        contract::add_bias_backward(dbias.len, dy.len, rows, cols)?;
         self.column_sum(dbias, dy, None, None, rows, cols)
     }
 
@@ -569,8 +542,12 @@ impl Backend for CudaBackend {
         ids: &CudaBuf,
         dim: usize,
     ) -> Result<()> {
-        self.gather_rows(out, table, ids, dim)
-            .map_err(|e| rename(e, "embedding_forward"))
+        const OP: &str = "embedding_forward";
+        let odt = float(OP, "out", out)?;
+        let tdt = float(OP, "table", table)?;
+        need(OP, "ids", ids, BufKind::Index)?;
+        contract::embedding_forward(out.len, table.len, Ids::Device(ids.len), dim)?;
+        self.gather(OP, (out, odt), (table, tdt), ids, dim)
     }
 
     fn embedding_backward(
@@ -584,19 +561,10 @@ impl Backend for CudaBackend {
         need(OP, "dtable", dtable, BufKind::Full)?;
         let ddt = float(OP, "dout", dout)?;
         need(OP, "ids", ids, BufKind::Index)?;
-        check_len(OP, "dout", dout.len, ids.len * dim)?;
-        if dim == 0 || dtable.len % dim != 0 {
-            return Err(Error::Shape {
-                op: OP,
-                msg: format!(
-                    "`dtable` of {} elements is not whole rows of {dim}",
-                    dtable.len
-                ),
-            });
-        }
         // Group the tokens by id on the host (ids are few: one per token of the batch), so
         // the kernel sums each id's rows in token order without atomics.
         let ids_host = self.download_index(ids)?;
+        contract::embedding_backward(dtable.len, dout.len, Ids::Host(&ids_host), dim)?;
         let mut order: Vec<u32> = (0..ids_host.len() as u32).collect();
         order.sort_by_key(|&t| ids_host[t as usize]);
         let mut distinct: Vec<u32> = Vec::new();
@@ -651,10 +619,7 @@ impl Backend for CudaBackend {
         need(OP, "rstd", rstd, BufKind::Full)?;
         let xdt = float(OP, "x", x)?;
         let wdt = float(OP, "w", w)?;
-        check_len(OP, "x", x.len, rows * dim)?;
-        check_len(OP, "w", w.len, dim)?;
-        check_len(OP, "out", out.len, rows * dim)?;
-        check_len(OP, "rstd", rstd.len, rows)?;
+        contract::rmsnorm_forward(out.len, rstd.len, x.len, w.len, rows, dim)?;
         self.launch(
             Module::NormRope,
             "rmsnorm_forward",
@@ -693,12 +658,7 @@ impl Backend for CudaBackend {
         let xdt = float(OP, "x", x)?;
         let wdt = float(OP, "w", w)?;
         need(OP, "rstd", rstd, BufKind::Full)?;
-        check_len(OP, "dx", dx.len, rows * dim)?;
-        check_len(OP, "dout", dout.len, rows * dim)?;
-        check_len(OP, "x", x.len, rows * dim)?;
-        check_len(OP, "w", w.len, dim)?;
-        check_len(OP, "dw", dw.len, dim)?;
-        check_len(OP, "rstd", rstd.len, rows)?;
+        contract::rmsnorm_backward(dx.len, dw.len, dout.len, x.len, w.len, rstd.len, rows, dim)?;
         self.launch(
             Module::NormRope,
             "rmsnorm_backward_dx",
@@ -737,15 +697,7 @@ impl Backend for CudaBackend {
         let xdt = float(OP, "x", x)?;
         need(OP, "positions", positions, BufKind::Index)?;
         need(OP, "inv_freq", inv_freq, BufKind::Full)?;
-        if head_dim % 2 != 0 {
-            return Err(Error::Shape {
-                op: OP,
-                msg: format!("head_dim {head_dim} is odd"),
-            });
-        }
-        check_len(OP, "x", x.len, tokens * heads * head_dim)?;
-        check_len(OP, "positions", positions.len, tokens)?;
-        check_len(OP, "inv_freq", inv_freq.len, head_dim / 2)?;
+        contract::rope(x.len, positions.len, inv_freq.len, tokens, heads, head_dim)?;
         self.launch(
             Module::NormRope,
             "rope",
@@ -776,19 +728,18 @@ impl Backend for CudaBackend {
         shape: AttnShape,
     ) -> Result<()> {
         const OP: &str = "attention_forward";
-        check_attn_shape(OP, &shape)?;
+        compute_args(OP, &[("q", q), ("k", k), ("v", v), ("out", out)])?;
+        need(OP, "lse", lse, BufKind::Full)?;
+        contract::attention_forward(out.len, lse.len, q.len, k.len, v.len, segments, shape)?;
+        supported_head_dim(OP, shape.head_dim)?;
         let AttnShape {
-            tokens,
             q_heads,
             kv_heads,
             head_dim,
             scale,
+            ..
         } = shape;
-        compute_args(OP, &[("q", q), ("out", out)], tokens * q_heads * head_dim)?;
-        compute_args(OP, &[("k", k), ("v", v)], tokens * kv_heads * head_dim)?;
-        need(OP, "lse", lse, BufKind::Full)?;
-        check_len(OP, "lse", lse.len, tokens * q_heads)?;
-        let lists = work_lists(OP, segments, tokens, false)?;
+        let lists = work_lists(segments, false);
         if lists.n_query_tiles() == 0 {
             return Ok(());
         }
@@ -833,7 +784,25 @@ impl Backend for CudaBackend {
         shape: AttnShape,
     ) -> Result<()> {
         const OP: &str = "attention_backward";
-        check_attn_shape(OP, &shape)?;
+        compute_args(
+            OP,
+            &[
+                ("dq", dq),
+                ("dk", dk),
+                ("dv", dv),
+                ("dout", dout),
+                ("out", out),
+                ("q", q),
+                ("k", k),
+                ("v", v),
+            ],
+        )?;
+        need(OP, "lse", lse, BufKind::Full)?;
+        contract::attention_backward(
+            dq.len, dk.len, dv.len, dout.len, out.len, lse.len, q.len, k.len, v.len, segments,
+            shape,
+        )?;
+        supported_head_dim(OP, shape.head_dim)?;
         let AttnShape {
             tokens,
             q_heads,
@@ -841,17 +810,7 @@ impl Backend for CudaBackend {
             head_dim,
             scale,
         } = shape;
-        let q_len = tokens * q_heads * head_dim;
-        let kv_len = tokens * kv_heads * head_dim;
-        compute_args(
-            OP,
-            &[("dq", dq), ("dout", dout), ("out", out), ("q", q)],
-            q_len,
-        )?;
-        compute_args(OP, &[("dk", dk), ("dv", dv), ("k", k), ("v", v)], kv_len)?;
-        need(OP, "lse", lse, BufKind::Full)?;
-        check_len(OP, "lse", lse.len, tokens * q_heads)?;
-        let lists = work_lists(OP, segments, tokens, true)?;
+        let lists = work_lists(segments, true);
         self.fill_zero(dq)?;
         self.fill_zero(dk)?;
         self.fill_zero(dv)?;
@@ -947,22 +906,25 @@ impl Backend for CudaBackend {
     ) -> Result<()> {
         const OP: &str = "kv_cache_write";
         need(OP, "slots", slots, BufKind::Index)?;
-        let row = kv_heads * head_dim;
-        compute_args(OP, &[("k", k), ("v", v)], slots.len * row)?;
         compute_args(
             OP,
-            &[("k_cache", k_cache), ("v_cache", v_cache)],
-            k_cache.len,
+            &[
+                ("k_cache", k_cache),
+                ("v_cache", v_cache),
+                ("k", k),
+                ("v", v),
+            ],
         )?;
-        if row == 0 || k_cache.len % row != 0 {
-            return Err(Error::Shape {
-                op: OP,
-                msg: format!(
-                    "cache of {} elements is not whole rows of {row}",
-                    k_cache.len
-                ),
-            });
-        }
+        contract::kv_cache_write(
+            k_cache.len,
+            v_cache.len,
+            k.len,
+            v.len,
+            Ids::Device(slots.len),
+            kv_heads,
+            head_dim,
+        )?;
+        let row = kv_heads * head_dim;
         self.launch(
             Module::Attention,
             "kv_cache_write",
@@ -989,7 +951,28 @@ impl Backend for CudaBackend {
         shape: AttnShape,
     ) -> Result<()> {
         const OP: &str = "paged_attention";
-        check_attn_shape(OP, &shape)?;
+        compute_args(
+            OP,
+            &[
+                ("out", out),
+                ("q", q),
+                ("k_cache", k_cache),
+                ("v_cache", v_cache),
+            ],
+        )?;
+        need(OP, "block_tables", layout.block_tables, BufKind::Index)?;
+        need(OP, "token_seq", layout.token_seq, BufKind::Index)?;
+        need(OP, "token_pos", layout.token_pos, BufKind::Index)?;
+        let lens = PagedLens {
+            block_tables: layout.block_tables.len,
+            max_blocks: layout.max_blocks,
+            block_size: layout.block_size,
+            token_seq: layout.token_seq.len,
+            token_pos: Ids::Device(layout.token_pos.len),
+            max_context: layout.max_context,
+        };
+        contract::paged_attention(out.len, q.len, k_cache.len, v_cache.len, lens, shape)?;
+        supported_head_dim(OP, shape.head_dim)?;
         let AttnShape {
             tokens,
             q_heads,
@@ -997,23 +980,6 @@ impl Backend for CudaBackend {
             head_dim,
             scale,
         } = shape;
-        compute_args(OP, &[("q", q), ("out", out)], tokens * q_heads * head_dim)?;
-        compute_args(
-            OP,
-            &[("k_cache", k_cache), ("v_cache", v_cache)],
-            k_cache.len,
-        )?;
-        need(OP, "block_tables", layout.block_tables, BufKind::Index)?;
-        need(OP, "token_seq", layout.token_seq, BufKind::Index)?;
-        need(OP, "token_pos", layout.token_pos, BufKind::Index)?;
-        check_len(OP, "token_seq", layout.token_seq.len, tokens)?;
-        check_len(OP, "token_pos", layout.token_pos.len, tokens)?;
-        if layout.block_size == 0 || layout.max_blocks == 0 {
-            return Err(Error::Shape {
-                op: OP,
-                msg: "block_size and max_blocks must be positive".into(),
-            });
-        }
         let heads_per_block = 4;
         let kernel = attention_kernel("paged_attention", head_dim);
         self.launch(
@@ -1047,8 +1013,7 @@ impl Backend for CudaBackend {
         let odt = float(OP, "out", out)?;
         let gdt = float(OP, "gate", gate)?;
         let udt = float(OP, "up", up)?;
-        check_len(OP, "gate", gate.len, out.len)?;
-        check_len(OP, "up", up.len, out.len)?;
+        contract::swiglu_forward(out.len, gate.len, up.len)?;
         self.launch(
             Module::Elementwise,
             "swiglu_forward",
@@ -1074,20 +1039,13 @@ impl Backend for CudaBackend {
         up: &CudaBuf,
     ) -> Result<()> {
         const OP: &str = "swiglu_backward";
-        let n = dout.len;
         let dgdt = float(OP, "dgate", dgate)?;
         let dudt = float(OP, "dup", dup)?;
         let ddt = float(OP, "dout", dout)?;
         let gdt = float(OP, "gate", gate)?;
         let udt = float(OP, "up", up)?;
-        for (name, len) in [
-            ("dgate", dgate.len),
-            ("dup", dup.len),
-            ("gate", gate.len),
-            ("up", up.len),
-        ] {
-            check_len(OP, name, len, n)?;
-        }
+        contract::swiglu_backward(dgate.len, dup.len, dout.len, gate.len, up.len)?;
+        let n = gate.len;
         self.launch(
             Module::Elementwise,
             "swiglu_backward",
@@ -1121,15 +1079,23 @@ impl Backend for CudaBackend {
         spec: LmHead,
     ) -> Result<()> {
         const OP: &str = "lm_head_forward";
-        check_lm_head(OP, hidden, w, targets, &spec)?;
+        lm_head_kinds(OP, hidden, w, targets)?;
         for (name, b) in [
             ("logprobs", &*logprobs),
             ("entropy", &*entropy),
             ("lse", &*lse),
         ] {
             float(OP, name, b)?;
-            check_len(OP, name, b.len, spec.tokens)?;
         }
+        contract::lm_head_forward(
+            logprobs.len,
+            entropy.len,
+            lse.len,
+            hidden.len,
+            w.len,
+            Ids::Device(targets.len),
+            spec,
+        )?;
         let chunk = spec.chunk_rows.min(spec.tokens);
         if chunk == 0 {
             return Ok(());
@@ -1189,18 +1155,15 @@ impl Backend for CudaBackend {
         spec: LmHead,
     ) -> Result<()> {
         const OP: &str = "lm_head_backward";
-        check_lm_head(OP, hidden, w, targets, &spec)?;
+        lm_head_kinds(OP, hidden, w, targets)?;
         float(OP, "dhidden", dhidden)?;
-        check_len(OP, "dhidden", dhidden.len, spec.tokens * spec.dim)?;
         need(OP, "dw", dw, BufKind::Full)?;
-        check_len(OP, "dw", dw.len, spec.vocab * spec.dim)?;
         for (name, b) in [
             ("dlogprobs", dlogprobs),
             ("dentropy", dentropy),
             ("lse", lse),
         ] {
             float(OP, name, b)?;
-            check_len(OP, name, b.len, spec.tokens)?;
         }
         if hidden.kind != BufKind::Compute {
             // d logits is bf16, and cuBLAS multiplies like types only.
@@ -1211,6 +1174,17 @@ impl Backend for CudaBackend {
                 got: hidden.kind,
             });
         }
+        contract::lm_head_backward(
+            dhidden.len,
+            dw.len,
+            dlogprobs.len,
+            dentropy.len,
+            hidden.len,
+            w.len,
+            Ids::Device(targets.len),
+            lse.len,
+            spec,
+        )?;
         let chunk = spec.chunk_rows.min(spec.tokens);
         if chunk == 0 {
             return Ok(());
@@ -1297,13 +1271,7 @@ impl Backend for CudaBackend {
     fn sample(&self, logits: &CudaBuf, vocab: usize, rows: &[SamplingRow]) -> Result<Vec<Sampled>> {
         const OP: &str = "sample";
         let dt = float(OP, "logits", logits)?;
-        check_len(OP, "logits", logits.len, rows.len() * vocab)?;
-        if vocab == 0 {
-            return Err(Error::Shape {
-                op: OP,
-                msg: "vocab must be positive".into(),
-            });
-        }
+        contract::sample(logits.len, vocab, rows.len())?;
         if rows.is_empty() {
             return Ok(Vec::new());
         }
@@ -1366,25 +1334,18 @@ impl Backend for CudaBackend {
         hp: AdamW,
     ) -> Result<()> {
         const OP: &str = "adamw";
-        if hp.step == 0 {
-            return Err(Error::Shape {
-                op: OP,
-                msg: "`step` is 1-based; got 0".into(),
-            });
-        }
         for (name, b) in [("param", &*param), ("grad", grad), ("m", &*m), ("v", &*v)] {
             need(OP, name, b, BufKind::Full)?;
         }
+        let compute = match compute {
+            Some(c) => Some((float(OP, "compute", c)?, c)),
+            None => None,
+        };
         let n = param.len;
-        check_len(OP, "grad", grad.len, n)?;
-        check_len(OP, "m", m.len, n)?;
-        check_len(OP, "v", v.len, n)?;
+        let n_compute = compute.as_ref().map(|(_, c)| c.len);
+        contract::adamw(n, grad.len, m.len, v.len, n_compute, &hp)?;
         let (cptr, cdt) = match compute {
-            Some(c) => {
-                let cdt = float(OP, "compute", c)?;
-                check_len(OP, "compute", c.len, n)?;
-                (self.p(c), cdt)
-            }
+            Some((cdt, c)) => (self.p(c), cdt),
             None => (Arg::Ptr(0), Arg::I32(0)),
         };
         let step = i32::try_from(hp.step).unwrap_or(i32::MAX);
@@ -1416,20 +1377,11 @@ impl Backend for CudaBackend {
     }
 }
 
-/// Checks the shared arguments of the two lm-head ops.
-fn check_lm_head(
-    op: &'static str,
-    hidden: &CudaBuf,
-    w: &CudaBuf,
-    targets: &CudaBuf,
-    spec: &LmHead,
-) -> Result<()> {
+/// Checks the kinds of the arguments the two lm-head ops share.
+fn lm_head_kinds(op: &'static str, hidden: &CudaBuf, w: &CudaBuf, targets: &CudaBuf) -> Result<()> {
     float(op, "hidden", hidden)?;
     float(op, "w", w)?;
     need(op, "targets", targets, BufKind::Index)?;
-    check_len(op, "hidden", hidden.len, spec.tokens * spec.dim)?;
-    check_len(op, "w", w.len, spec.vocab * spec.dim)?;
-    check_len(op, "targets", targets.len, spec.tokens)?;
     if hidden.kind != w.kind {
         return Err(Error::Kind {
             op,
@@ -1438,27 +1390,5 @@ fn check_lm_head(
             got: w.kind,
         });
     }
-    if spec.chunk_rows == 0 && spec.tokens > 0 {
-        return Err(Error::Shape {
-            op,
-            msg: "chunk_rows must be positive".into(),
-        });
-    }
     Ok(())
-}
-
-/// Re-labels an error raised by a shared implementation with the op the caller called.
-fn rename(e: Error, op: &'static str) -> Error {
-    match e {
-        Error::Shape { msg, .. } => Error::Shape { op, msg },
-        Error::Kind {
-            arg, expected, got, ..
-        } => Error::Kind {
-            op,
-            arg,
-            expected,
-            got,
-        },
-        other => other,
-    }
 }
