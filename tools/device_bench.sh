@@ -5,7 +5,9 @@
 #   tests   the CUDA tests (ops, transformer, sampler against the CPU)
 #   bench   `floe bench --profile` against ../shared/bench/peer_torch.py on the same shapes,
 #           with the per-kernel GPU time of one train step and one generation, then the
-#           floe/peer ratios (tools/bench_ratios.py)
+#           floe/peer ratios (tools/bench_ratios.py); MODELS (default 1.7B) lists the
+#           shapes, each named alike by both (0.6B, 1.7B, 4B, 8B; the peer's `tiny` is
+#           floe's preset `small`, floe's `tiny` the peer does not have)
 #   train   a few GRPO steps of `floe train` on the GPU at the 0.6B and 1.7B shapes, with
 #           the step-time breakdown (generate, score, log-probs, train, weight handoff)
 #

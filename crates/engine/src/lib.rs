@@ -40,7 +40,7 @@
 //! };
 //! use floe_model::{transformer::Transformer, ModelConfig};
 //!
-//! let mut config = ModelConfig::preset("tiny")?;
+//! let mut config = ModelConfig::preset("small")?;
 //! config.vocab_size = 512;
 //! let model = Transformer::new_random(Arc::new(CpuBackend::<f32>::new()), config, 0)?;
 //! let mut sampler = Sampler::new(&model, SamplerConfig { num_blocks: 16, ..Default::default() })?;

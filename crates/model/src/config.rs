@@ -158,7 +158,7 @@ pub enum ConfigError {
         msg: String,
     },
     /// `ModelConfig::preset` got a name it does not know.
-    #[error("unknown model preset `{0}`; known: embedded, tiny, 0.6B, 1.7B, 4B, 8B")]
+    #[error("unknown model preset `{0}`; known: tiny, small, 0.6B, 1.7B, 4B, 8B")]
     UnknownPreset(String),
 }
 
@@ -540,17 +540,21 @@ impl ModelConfig {
         v
     }
 
-    /// A Qwen3 shape by name: `tiny`, `0.6B`, `1.7B`, `4B` or `8B` (the public Qwen3
-    /// configs; `tiny` is floe's own 4-layer test size). Vocabulary 151936, head size 128
-    /// (64 for `tiny`), RoPE base 1e6, RMSNorm eps 1e-6; the embeddings are tied up to 4B.
-    /// `embedded` is the shape of `floe train`'s embedded model (vocabulary 1024, head size
-    /// 32, RoPE base 1e4, eos id 2), for benchmarking it.
+    /// A Qwen3 shape by name, the same names as the embedded models (`embedded:<name>`):
+    /// - `tiny`: the shape of `floe train`'s default embedded model, hidden 128, 4 layers,
+    ///   4 query and 2 key/value heads of 32, vocabulary 1024, RoPE base 1e4, eos id 2, no
+    ///   bos (about 1M parameters);
+    /// - `small`: floe's own 4-layer size twice as wide (hidden 256, heads of 64);
+    /// - `0.6B`, `1.7B`, `4B`, `8B`: the public Qwen3 configs.
+    ///
+    /// Except for `tiny`: vocabulary 151936, head size 128 (64 for `small`), RoPE base 1e6,
+    /// bos 151643, eos 151645. RMSNorm eps 1e-6 throughout; the embeddings are tied up to 4B.
     pub fn preset(name: &str) -> Result<Self> {
-        let embedded = name == "embedded";
+        let tiny = name == "tiny";
         // (hidden, intermediate, layers, heads, kv_heads)
         let (hidden, inter, layers, heads, kv) = match name {
-            "embedded" => (128, 384, 4, 4, 2),
-            "tiny" => (256, 768, 4, 4, 2),
+            "tiny" => (128, 384, 4, 4, 2),
+            "small" => (256, 768, 4, 4, 2),
             "0.6B" => (1024, 3072, 28, 16, 8),
             "1.7B" => (2048, 6144, 28, 16, 8),
             "4B" => (2560, 9728, 36, 32, 8),
@@ -559,26 +563,26 @@ impl ModelConfig {
         };
         Ok(ModelConfig {
             architecture: Architecture::Qwen3,
-            vocab_size: if embedded { 1024 } else { 151936 },
+            vocab_size: if tiny { 1024 } else { 151936 },
             hidden_size: hidden,
             intermediate_size: inter,
             num_hidden_layers: layers,
             num_attention_heads: heads,
             num_key_value_heads: kv,
             head_dim: match name {
-                "embedded" => 32,
-                "tiny" => 64,
+                "tiny" => 32,
+                "small" => 64,
                 _ => 128,
             },
             rms_norm_eps: 1e-6,
-            rope_theta: if embedded { 1e4 } else { 1e6 },
+            rope_theta: if tiny { 1e4 } else { 1e6 },
             rope_scaling: None,
             max_position_embeddings: 40960,
             tie_word_embeddings: name != "8B",
             attention_bias: false,
             qk_norm: true,
-            bos_token_id: (!embedded).then_some(151643),
-            eos_token_ids: vec![if embedded { 2 } else { 151645 }],
+            bos_token_id: (!tiny).then_some(151643),
+            eos_token_ids: vec![if tiny { 2 } else { 151645 }],
         })
     }
 

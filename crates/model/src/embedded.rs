@@ -8,10 +8,11 @@ use crate::tokenizer::{train_bpe, Tokenizer, TokenizerError, QWEN3_SPECIAL_TOKEN
 /// `model.path` of the embedded tiny model.
 pub const EMBEDDED_TINY: &str = "embedded:tiny";
 
-/// Prefix of every embedded `model.path`: `embedded:tiny`, `embedded:small` (4 layers of
-/// 256, twice as wide), or `embedded:<shape>` with a Qwen3 shape of [`ModelConfig::preset`]
-/// (`0.6B`, `1.7B`, ...) over the embedded tokenizer, randomly initialised: the whole
-/// pipeline at a real model's size with no download.
+/// Prefix of every embedded `model.path`: `embedded:<name>` is the shape
+/// [`ModelConfig::preset`]`(name)` over the embedded tokenizer, randomly initialised:
+/// `embedded:tiny` (hidden 128, the default), `embedded:small` (4 layers of 256, twice as
+/// wide), or a real Qwen3 size (`embedded:0.6B`, `embedded:1.7B`, ...), the whole pipeline
+/// at that size with no download.
 pub const EMBEDDED_PREFIX: &str = "embedded:";
 
 /// Whether `path` names an embedded model (its tokenizer lives in the run directory).
@@ -25,15 +26,10 @@ pub fn embedded_model(
     path: &str,
     tokenizer: &Tokenizer,
 ) -> Result<Option<ModelConfig>, UnknownEmbeddedModel> {
-    let Some(shape) = path.strip_prefix(EMBEDDED_PREFIX) else {
+    let Some(name) = path.strip_prefix(EMBEDDED_PREFIX) else {
         return Ok(None);
     };
-    if path == EMBEDDED_TINY {
-        return Ok(Some(embedded_model_config(tokenizer)));
-    }
-    // `small` is the `tiny` preset's shape (4 layers of 256), the name `tiny` being taken.
-    let preset = if shape == "small" { "tiny" } else { shape };
-    let config = ModelConfig::preset(preset).map_err(|_| UnknownEmbeddedModel(path.to_string()))?;
+    let config = ModelConfig::preset(name).map_err(|_| UnknownEmbeddedModel(path.to_string()))?;
     Ok(Some(over_tokenizer(config, tokenizer)))
 }
 
@@ -45,11 +41,11 @@ pub const EMBEDDED_VOCAB_SIZE: usize = 1024;
 /// Longest sequence the embedded model accepts (its RoPE table).
 pub const EMBEDDED_CONTEXT: usize = 2048;
 
-/// A `model.path` with the embedded prefix whose shape no preset names.
+/// A `model.path` with the embedded prefix whose name no preset has.
 #[derive(Debug, thiserror::Error)]
 #[error(
-    "model.path = {0:?} names no embedded model; use \"embedded:tiny\" or \
-     \"embedded:<shape>\" with a shape of small, 0.6B, 1.7B, 4B or 8B"
+    "model.path = {0:?} names no embedded model; use \"embedded:<name>\" with a name of \
+     tiny, small, 0.6B, 1.7B, 4B or 8B"
 )]
 pub struct UnknownEmbeddedModel(pub String);
 
@@ -59,12 +55,12 @@ pub fn train_embedded_tokenizer(texts: &[String]) -> Result<Tokenizer, Tokenizer
     train_bpe(texts, EMBEDDED_VOCAB_SIZE, &QWEN3_SPECIAL_TOKENS)
 }
 
-/// The tiny Qwen3 shape (`ModelConfig::preset("embedded")`: hidden 128, 4 layers, 4 query
+/// The tiny Qwen3 shape (`ModelConfig::preset("tiny")`: hidden 128, 4 layers, 4 query
 /// and 2 key/value heads of 32, tied embeddings; about 1M parameters with a 1k vocabulary)
-/// over `tokenizer`'s ids.
+/// over `tokenizer`'s ids: the model of [`EMBEDDED_TINY`].
 pub fn embedded_model_config(tokenizer: &Tokenizer) -> ModelConfig {
     over_tokenizer(
-        ModelConfig::preset("embedded").expect("a built-in preset"),
+        ModelConfig::preset("tiny").expect("a built-in preset"),
         tokenizer,
     )
 }
@@ -99,6 +95,15 @@ mod tests {
         let err = embedded_model("embedded:huge", &tokenizer)
             .unwrap_err()
             .to_string();
-        assert!(err.contains("small, 0.6B"), "{err}");
+        assert!(err.contains("tiny, small, 0.6B"), "{err}");
+        // `embedded:<name>` is preset `<name>` over the tokenizer, for every name.
+        for name in ["tiny", "small", "0.6B"] {
+            let config = embedded_model(&format!("{EMBEDDED_PREFIX}{name}"), &tokenizer)
+                .unwrap()
+                .unwrap();
+            let preset = ModelConfig::preset(name).unwrap();
+            assert_eq!(config, over_tokenizer(preset, &tokenizer), "{name}");
+        }
+        assert_eq!(tiny, embedded_model_config(&tokenizer));
     }
 }

@@ -20,7 +20,7 @@ fn fixture(name: &str) -> PathBuf {
 
 /// A small untied Qwen2 shape (bias on), so every optional tensor is present.
 fn small_config(arch: Architecture, tie: bool) -> ModelConfig {
-    let mut c = ModelConfig::preset("tiny").unwrap();
+    let mut c = ModelConfig::preset("small").unwrap();
     c.architecture = arch;
     c.vocab_size = 40;
     c.hidden_size = 16;
@@ -107,7 +107,16 @@ fn presets_have_the_public_shapes() {
     assert!(!c8.tie_word_embeddings);
     // Qwen3-8B: 8,190,735,360 parameters.
     assert_eq!(c8.num_parameters(), 8_190_735_360);
-    assert_eq!(ModelConfig::preset("tiny").unwrap().head_dim, 64);
+    // `tiny` is the default embedded model's shape, `small` the same depth twice as wide.
+    let (tiny, small) = (
+        ModelConfig::preset("tiny").unwrap(),
+        ModelConfig::preset("small").unwrap(),
+    );
+    assert_eq!(
+        (tiny.hidden_size, tiny.head_dim, tiny.vocab_size),
+        (128, 32, 1024)
+    );
+    assert_eq!((small.hidden_size, small.head_dim), (256, 64));
     let err = ModelConfig::preset("3B").unwrap_err();
     assert!(err.to_string().contains("3B"), "{err}");
 }

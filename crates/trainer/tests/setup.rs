@@ -25,7 +25,7 @@ fn engine(seed: u64) -> AnyLocalEngine {
         ..LocalEngineOptions::default()
     };
     let source = ModelSource::Random {
-        config: ModelConfig::preset("embedded").unwrap(),
+        config: ModelConfig::preset("tiny").unwrap(),
         seed,
     };
     AnyLocalEngine::open(source, None, options).unwrap()

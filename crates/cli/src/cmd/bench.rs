@@ -43,9 +43,10 @@ pub struct Args {
     /// `cpu` or `cuda:N`.
     #[arg(long, default_value = "cpu")]
     device: Device,
-    /// A Qwen3 shape (`embedded`, `tiny`, `0.6B`, `1.7B`, `4B`, `8B`) or a Hugging Face
-    /// folder; `embedded` is the shape `floe train` trains by default.
-    #[arg(long, default_value = "tiny")]
+    /// A Qwen3 shape (`tiny`, `small`, `0.6B`, `1.7B`, `4B`, `8B`: the names of
+    /// `embedded:<name>`) or a Hugging Face folder; `tiny` is the shape `floe train` trains
+    /// by default. (Before issue 17, `tiny` was called `embedded` and `small` was `tiny`.)
+    #[arg(long, default_value = "small")]
     model: String,
     /// Random weights (a folder's `config.json` gives only the shape); shapes named by
     /// preset always use random weights.
@@ -129,9 +130,14 @@ fn model_shape(args: &Args) -> anyhow::Result<(ModelConfig, Option<PathBuf>)> {
     }
     let dir = PathBuf::from(&args.model);
     if !dir.join("config.json").is_file() {
+        let renamed = if args.model == "embedded" {
+            " (the shape once called `embedded` is now `tiny`; the old `tiny` is `small`)"
+        } else {
+            ""
+        };
         bail!(
-            "--model `{}` is neither a preset (embedded, tiny, 0.6B, 1.7B, 4B, 8B) nor a folder with a \
-             config.json",
+            "--model `{}` is neither a preset (tiny, small, 0.6B, 1.7B, 4B, 8B) nor a folder with a \
+             config.json{renamed}",
             args.model
         );
     }
