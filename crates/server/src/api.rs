@@ -156,7 +156,7 @@ pub struct Sample {
     /// The prompt.
     pub prompt: ModelInput,
     /// How to sample.
-    pub sampling_params: SamplingParams,
+    pub sampling_params: TinkerSamplingParams,
     /// Also return each prompt token's log-prob.
     #[serde(default)]
     pub prompt_logprobs: bool,
@@ -201,9 +201,10 @@ fn encoded_text() -> String {
     "encoded_text".into()
 }
 
-/// Sampling parameters as the SDK sends them.
+/// Tinker's `SamplingParams` as the SDK sends them (the wire type; the routes turn it into
+/// the engine's [`floe_engine::SamplingParams`]).
 #[derive(Debug, Deserialize)]
-pub struct SamplingParams {
+pub struct TinkerSamplingParams {
     /// Most tokens to generate.
     pub max_tokens: Option<usize>,
     /// Seed of the samples.

@@ -847,7 +847,7 @@ fn prompt_tokens(prompt: &api::ModelInput, vocab_size: usize) -> Result<Vec<u32>
 
 /// The engine's sampling parameters. Absent `stop` stops on EOS; `[]` never stops.
 fn sampling_params(
-    params: &api::SamplingParams,
+    params: &api::TinkerSamplingParams,
     facts: &ModelFacts,
     prompt_len: usize,
 ) -> Result<SamplingParams, ApiError> {

@@ -49,7 +49,7 @@ pub struct Config {
     /// `[environment]`: which environment scores completions, and its options.
     pub environment: EnvironmentConfig,
     /// `[model]`: which weights to train.
-    pub model: ModelSpec,
+    pub model: ModelSection,
     /// `[engine]`: where the model runs.
     pub engine: EngineConfig,
     /// `[sft]`: the optional supervised warm start before RL.
@@ -307,9 +307,9 @@ pub struct GeneratorConfig {
     /// unset allows `max_prompt_length + max_turns · max_generate_length`.
     pub max_input_length: Option<usize>,
     /// `[generator.sampling_params]`: training samples.
-    pub sampling_params: SamplingParams,
+    pub sampling_params: RecipeSamplingParams,
     /// `[generator.eval_sampling_params]`: eval samples (greedy by default).
-    pub eval_sampling_params: SamplingParams,
+    pub eval_sampling_params: RecipeSamplingParams,
     /// Completions per eval prompt (`pass@k` uses k = this).
     pub eval_n_samples_per_prompt: usize,
     /// Score finished completions in worker threads while the rest are still generating.
@@ -322,10 +322,10 @@ impl Default for GeneratorConfig {
             n_samples_per_prompt: 5,
             max_turns: 1,
             max_input_length: None,
-            sampling_params: SamplingParams::default(),
-            eval_sampling_params: SamplingParams {
+            sampling_params: RecipeSamplingParams::default(),
+            eval_sampling_params: RecipeSamplingParams {
                 temperature: 0.0,
-                ..SamplingParams::default()
+                ..RecipeSamplingParams::default()
             },
             eval_n_samples_per_prompt: 1,
             async_scoring: true,
@@ -333,10 +333,12 @@ impl Default for GeneratorConfig {
     }
 }
 
-/// How one completion is sampled.
+/// `[generator.sampling_params]` and `[generator.eval_sampling_params]`: how one completion
+/// is sampled, in the recipe's (SkyRL's) keys; [`crate::rollout::engine_sampling_params`]
+/// turns it into the engine's [`floe_engine::SamplingParams`].
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
-pub struct SamplingParams {
+pub struct RecipeSamplingParams {
     /// Most new tokens per turn.
     pub max_generate_length: usize,
     /// Softmax temperature; 0 is greedy.
@@ -353,7 +355,7 @@ pub struct SamplingParams {
     pub logprobs: u32,
 }
 
-impl Default for SamplingParams {
+impl Default for RecipeSamplingParams {
     fn default() -> Self {
         Self {
             max_generate_length: 1024,
@@ -408,10 +410,12 @@ impl Default for SqlEnvConfig {
     }
 }
 
-/// `[model]`: the weights to train.
+/// `[model]`: the weights to train, as a recipe names them (the model's shape is
+/// [`floe_model::ModelConfig`]; the native API's choice of model is
+/// [`floe_engine::native_api::ModelSpec`]).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
-pub struct ModelSpec {
+pub struct ModelSection {
     /// A Hugging Face model folder (`config.json`, `*.safetensors`, `tokenizer.json`), or
     /// `embedded:tiny` for the built-in tiny Qwen3-shape model, `embedded:small` for one
     /// twice as wide, `embedded:0.6B` (any Qwen3 preset shape) for a random model of that
@@ -421,7 +425,7 @@ pub struct ModelSpec {
     pub chat_template: ChatTemplateOptions,
 }
 
-impl Default for ModelSpec {
+impl Default for ModelSection {
     fn default() -> Self {
         Self {
             path: "embedded:tiny".into(),

@@ -17,7 +17,7 @@ use floe_env::scoring::Scorer;
 use floe_model::chat_template::ChatTemplate;
 use floe_model::tokenizer::Tokenizer;
 
-use crate::config::SamplingParams;
+use crate::config::RecipeSamplingParams;
 use crate::data::{render_messages, Prompt};
 use crate::error::{Error, Result};
 use floe_engine::Engine;
@@ -42,7 +42,7 @@ pub fn derive_seed(parts: &[u64]) -> u64 {
 /// The engine's sampling parameters for a config section: stop at the tokenizer's
 /// end-of-sequence ids or a stop string (kept in the text, as SkyRL does).
 pub fn engine_sampling_params(
-    params: &SamplingParams,
+    params: &RecipeSamplingParams,
     tokenizer: &Tokenizer,
 ) -> EngineSamplingParams {
     EngineSamplingParams {
