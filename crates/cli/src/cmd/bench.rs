@@ -1,5 +1,5 @@
 //! `floe bench`: throughput of training steps and of generation, on the shapes
-//! `/work/shared/bench/peer_torch.py` measures, so the two print comparable numbers.
+//! the peer script `peer_torch.py` (PyTorch + Hugging Face) measures, so the two print comparable numbers.
 //!
 //! - `train`: tokens/s of forward + backward + AdamW step (global-norm clip 1.0) on random
 //!   tokens, `batch × seq` per optimizer step, loss `−mean(0.01 · log p(token))` over every
