@@ -53,14 +53,6 @@ pub(crate) fn dtype_code(kind: BufKind) -> i32 {
     }
 }
 
-/// Bytes per element of a kind's storage type.
-pub(crate) fn elem_bytes(kind: BufKind) -> usize {
-    match kind {
-        BufKind::Compute => 2,
-        BufKind::Full | BufKind::Index => 4,
-    }
-}
-
 /// The kernel sources, one NVRTC program each, compiled on first use.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(crate) enum Module {
@@ -447,7 +439,7 @@ impl CudaBackend {
             .mem_get_info()
             .map(|(f, _)| f)
             .unwrap_or(usize::MAX);
-        let bytes = n * elem_bytes(kind);
+        let bytes = n * super::element_bytes(kind);
         if bytes > free {
             return Err(Error::OutOfMemory {
                 what: format!("a {kind:?} buffer of {len} elements"),

@@ -29,6 +29,15 @@ pub use device::{CudaBackend, CudaBuf};
 #[cfg(not(feature = "cuda"))]
 pub use stub::{CudaBackend, CudaBuf};
 
+/// Bytes one element of a buffer of `kind` takes on a CUDA device (bf16 Compute, f32
+/// Full, u32 Index); known without a device, for memory plans.
+pub fn element_bytes(kind: crate::BufKind) -> usize {
+    match kind {
+        crate::BufKind::Compute => 2,
+        crate::BufKind::Full | crate::BufKind::Index => 4,
+    }
+}
+
 /// GPU time of one kernel (or one GEMM shape) over a profiled stretch.
 #[derive(Debug, Clone, PartialEq)]
 pub struct KernelTime {

@@ -225,7 +225,7 @@ impl Backend for CudaBackend {
     // ---- buffers ---------------------------------------------------------------------
 
     fn element_bytes(&self, kind: BufKind) -> usize {
-        super::device::elem_bytes(kind)
+        super::element_bytes(kind)
     }
 
     fn len(&self, buf: &CudaBuf) -> usize {
@@ -1101,7 +1101,7 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         let logits = self.alloc(chunk * spec.vocab, BufKind::Full)?;
-        let elem = super::device::elem_bytes(hidden.kind) as u64;
+        let elem = super::element_bytes(hidden.kind) as u64;
         for start in (0..spec.tokens).step_by(spec.chunk_rows) {
             let rows = spec.chunk_rows.min(spec.tokens - start);
             self.gemm(
@@ -1191,8 +1191,8 @@ impl Backend for CudaBackend {
         }
         let logits = self.alloc(chunk * spec.vocab, BufKind::Full)?;
         let dlogits = self.alloc(chunk * spec.vocab, BufKind::Compute)?;
-        let h_elem = super::device::elem_bytes(hidden.kind) as u64;
-        let dh_elem = super::device::elem_bytes(dhidden.kind) as u64;
+        let h_elem = super::element_bytes(hidden.kind) as u64;
+        let dh_elem = super::element_bytes(dhidden.kind) as u64;
         for start in (0..spec.tokens).step_by(spec.chunk_rows) {
             let rows = spec.chunk_rows.min(spec.tokens - start);
             let h_chunk = self.ptr(hidden) + (start * spec.dim) as u64 * h_elem;
