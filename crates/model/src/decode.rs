@@ -191,7 +191,7 @@ impl<B: Backend> Transformer<B> {
                 tokens: t,
                 x: b.zeros(t * h, BufKind::Compute)?,
                 next: b.zeros(t * h, BufKind::Compute)?,
-                layer: LayerActs::new(b, c, t)?,
+                layer: LayerActs::new(&mut crate::transformer::zeros_on(b), c, t)?,
             },
         };
         let DecodeScratch {

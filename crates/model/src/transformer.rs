@@ -33,6 +33,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use floe_backend::{AttnShape, Backend, BufKind, LmHead, Matmul, PagedLayout, Segment};
+use rayon::prelude::*;
 
 use crate::batch::{BatchError, PackedBatch, TokenStats};
 use crate::config::ModelConfig;
@@ -251,13 +252,23 @@ pub(crate) struct LayerActs<Buf> {
     pub act: Buf,
 }
 
+/// Allocates a zeroed buffer of `len` elements and a kind: the backend's `zeros`, or a
+/// counter of bytes when planning memory ([`Transformer::training_activation_bytes`]).
+pub(crate) type Alloc<'a, Buf> = dyn FnMut(usize, BufKind) -> Result<Buf> + 'a;
+
+/// An [`Alloc`] over backend `b`.
+pub(crate) fn zeros_on<B: Backend>(b: &B) -> impl FnMut(usize, BufKind) -> Result<B::Buf> + '_ {
+    move |n, kind| Ok(b.zeros(n, kind)?)
+}
+
 impl<Buf> LayerActs<Buf> {
-    pub(crate) fn new<B: Backend<Buf = Buf>>(b: &B, c: &ModelConfig, t: usize) -> Result<Self> {
+    pub(crate) fn new(alloc: &mut Alloc<'_, Buf>, c: &ModelConfig, t: usize) -> Result<Self> {
         let (h, i) = (c.hidden_size, c.intermediate_size);
         let (q, kv) = (c.q_dim(), c.kv_dim());
         let (hq, hkv) = (c.num_attention_heads, c.num_key_value_heads);
-        let compute = |n: usize| b.zeros(n, BufKind::Compute);
-        let full = |n: usize| b.zeros(n, BufKind::Full);
+        let alloc = std::cell::RefCell::new(alloc);
+        let compute = |n: usize| (alloc.borrow_mut())(n, BufKind::Compute);
+        let full = |n: usize| (alloc.borrow_mut())(n, BufKind::Full);
         let qk = c.qk_norm;
         Ok(Self {
             ln1: compute(t * h)?,
@@ -312,15 +323,10 @@ struct GradScratch<Buf> {
 }
 
 impl<Buf> GradScratch<Buf> {
-    fn new<B: Backend<Buf = Buf>>(
-        b: &B,
-        c: &ModelConfig,
-        t: usize,
-        recompute: bool,
-    ) -> Result<Self> {
+    fn new(alloc: &mut Alloc<'_, Buf>, c: &ModelConfig, t: usize, recompute: bool) -> Result<Self> {
         let (h, i) = (c.hidden_size, c.intermediate_size);
         let (q, kv) = (c.q_dim(), c.kv_dim());
-        let compute = |n: usize| b.zeros(n, BufKind::Compute);
+        let mut compute = |n: usize| alloc(n, BufKind::Compute);
         Ok(Self {
             d_resid: compute(t * h)?,
             d_norm_in: compute(t * h)?,
@@ -364,8 +370,8 @@ struct Activations<Buf> {
 }
 
 impl<Buf> Activations<Buf> {
-    fn new<B: Backend<Buf = Buf>>(
-        b: &B,
+    fn new(
+        alloc: &mut Alloc<'_, Buf>,
         c: &ModelConfig,
         t: usize,
         layer_slots: usize,
@@ -379,20 +385,30 @@ impl<Buf> Activations<Buf> {
             } else {
                 2
             })
-                .map(|_| b.zeros(t * h, BufKind::Compute))
-                .collect::<std::result::Result<_, _>>()?,
-            layers: (0..layer_slots)
-                .map(|_| LayerActs::new(b, c, t))
+                .map(|_| alloc(t * h, BufKind::Compute))
                 .collect::<Result<_>>()?,
-            final_out: b.zeros(t * h, BufKind::Compute)?,
-            final_rstd: b.zeros(t, BufKind::Full)?,
-            logprobs: b.zeros(t, BufKind::Full)?,
-            entropy: b.zeros(t, BufKind::Full)?,
-            lse: b.zeros(t, BufKind::Full)?,
+            layers: (0..layer_slots)
+                .map(|_| LayerActs::new(alloc, c, t))
+                .collect::<Result<_>>()?,
+            final_out: alloc(t * h, BufKind::Compute)?,
+            final_rstd: alloc(t, BufKind::Full)?,
+            logprobs: alloc(t, BufKind::Full)?,
+            entropy: alloc(t, BufKind::Full)?,
+            lse: alloc(t, BufKind::Full)?,
             grad: grad
-                .map(|recompute| GradScratch::new(b, c, t, recompute))
+                .map(|recompute| GradScratch::new(alloc, c, t, recompute))
                 .transpose()?,
         })
+    }
+}
+
+/// Per-layer activation sets a training pass keeps: one reused by every layer when
+/// recomputing, else one per layer.
+fn training_layer_slots(config: &ModelConfig, recompute: bool) -> usize {
+    if recompute {
+        1
+    } else {
+        config.num_hidden_layers.max(1)
     }
 }
 
@@ -425,7 +441,7 @@ pub type LossGradFn<'a> = dyn FnMut(&TokenStats) -> Result<(Vec<f64>, Vec<f64>)>
 
 /// One parameter as the optimizer sees it, from [`Transformer::visit_params`].
 pub struct ParamSlot<'a, B: Backend> {
-    /// The Full master weights.
+    /// The master weights: Full, or Compute after [`Transformer::drop_device_masters`].
     pub param: &'a mut B::Buf,
     /// Its accumulated gradient (Full).
     pub grad: &'a B::Buf,
@@ -437,7 +453,8 @@ pub struct ParamSlot<'a, B: Backend> {
 pub struct Transformer<B: Backend> {
     pub(crate) backend: Arc<B>,
     pub(crate) config: ModelConfig,
-    /// Full master weights; shared with the models made by [`Transformer::share_base`].
+    /// Full master weights (Compute after [`Transformer::drop_device_masters`]); shared
+    /// with the models made by [`Transformer::share_base`].
     params: Arc<Params<B::Buf>>,
     /// Compute copies of the weights (only when `!backend.compute_is_full()`).
     compute: Option<Arc<Params<B::Buf>>>,
@@ -488,12 +505,15 @@ pub fn rope_inv_freq(config: &ModelConfig) -> Vec<f32> {
     inv
 }
 
+/// The increment of splitmix64's state.
+const SPLITMIX_GAMMA: u64 = 0x9E37_79B9_7F4A_7C15;
+
 /// splitmix64, the seeded generator of [`Transformer::new_random`].
 pub(crate) struct SplitMix(pub(crate) u64);
 
 impl SplitMix {
     fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        self.0 = self.0.wrapping_add(SPLITMIX_GAMMA);
         let mut z = self.0;
         z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
         z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
@@ -505,9 +525,12 @@ impl SplitMix {
         ((self.next_u64() >> 11) + 1) as f64 / (1u64 << 53) as f64
     }
 
-    /// Standard normal (Box–Muller).
-    fn normal(&mut self) -> f64 {
-        let (u, v) = (self.unit(), self.unit());
+    /// The `index`-th standard normal (Box–Muller, two draws each) of the stream seeded
+    /// with `seed`, without drawing the ones before it: the generator's state after `k`
+    /// draws is `seed + k · γ`.
+    fn normal_at(seed: u64, index: u64) -> f64 {
+        let mut rng = SplitMix(seed.wrapping_add((2 * index).wrapping_mul(SPLITMIX_GAMMA)));
+        let (u, v) = (rng.unit(), rng.unit());
         (-2.0 * u.ln()).sqrt() * (2.0 * std::f64::consts::PI * v).cos()
     }
 }
@@ -633,6 +656,21 @@ impl<B: Backend> Transformer<B> {
         Ok((params, compute))
     }
 
+    /// Frees the Full master weights on the device and keeps only their Compute copies
+    /// (bf16 on CUDA), for an optimizer that keeps the masters in host memory: forwards
+    /// read the Compute weights as before, [`Transformer::visit_params`] then hands out
+    /// the Compute weights as `param` with no `compute` copy, and
+    /// [`Transformer::to_host_weights`] reads them. A no-op where the two storages
+    /// coincide (the CPU).
+    pub fn drop_device_masters(&mut self) -> Result<()> {
+        if self.compute.is_none() {
+            return Ok(());
+        }
+        self.base_mut("drop_device_masters")?;
+        self.params = self.compute.take().expect("checked above");
+        Ok(())
+    }
+
     /// Frees the base weights' gradients (a LoRA model never computes them).
     pub(crate) fn drop_base_grads(&mut self) {
         self.grads = None;
@@ -641,7 +679,9 @@ impl<B: Backend> Transformer<B> {
     /// A model with normal(0, 0.02) weights from `seed`, norms at 1 and biases at 0.
     pub fn new_random(backend: Arc<B>, config: ModelConfig, seed: u64) -> Result<Self> {
         check_config(&config)?;
-        let mut rng = SplitMix(seed);
+        // Normals drawn so far: the weights are one splitmix64 stream over the tensors in
+        // order, generated in parallel by jumping to each element's place in it.
+        let mut drawn = 0;
         let params = Params::build(&config, |name, shape| {
             let n: usize = shape.iter().product();
             let data: Vec<f32> = if name.ends_with("norm.weight") {
@@ -649,7 +689,12 @@ impl<B: Backend> Transformer<B> {
             } else if name.ends_with(".bias") {
                 vec![0.0; n]
             } else {
-                (0..n).map(|_| (0.02 * rng.normal()) as f32).collect()
+                let first = drawn;
+                drawn += n as u64;
+                (0..n as u64)
+                    .into_par_iter()
+                    .map(|i| (0.02 * SplitMix::normal_at(seed, first + i)) as f32)
+                    .collect()
             };
             Ok(backend.upload(&data, BufKind::Full)?)
         })?;
@@ -681,7 +726,7 @@ impl<B: Backend> Transformer<B> {
         let (params, compute) = self.base_mut("load_host_weights")?;
         let mut computes = compute.map(|c| c.tensors_mut());
         for (i, (param, (name, _))) in params.tensors_mut().into_iter().zip(&specs).enumerate() {
-            *param = b.upload(&weights[name].data, BufKind::Full)?;
+            *param = b.upload(&weights[name].data, b.kind(param))?;
             if let Some(c) = computes.as_mut() {
                 b.copy(c[i], param)?;
             }
@@ -1171,10 +1216,32 @@ impl<B: Backend> Transformer<B> {
     /// `softmax(logit_scale · logits)`; keeps no gradient state.
     pub fn forward(&self, batch: &PackedBatch, logit_scale: f32) -> Result<TokenStats> {
         self.check_batch(batch)?;
-        let mut acts = Activations::new(&*self.backend, &self.config, batch.len(), 1, None)?;
+        let mut zeros = zeros_on(&*self.backend);
+        let mut acts = Activations::new(&mut zeros, &self.config, batch.len(), 1, None)?;
         let [ids, targets, positions] = self.upload_batch(batch)?;
         self.run_forward(&mut acts, batch, &ids, &targets, &positions, logit_scale)?;
         self.stats(&acts)
+    }
+
+    /// Bytes of the activations [`Transformer::forward_backward`] keeps for a micro-batch
+    /// of `tokens`, as the same constructors allocate them, with `element_bytes` per
+    /// element of each buffer kind (see [`Backend::element_bytes`]). Not counted: the
+    /// backend's own workspaces (lm-head chunks, GEMM workspace).
+    pub fn training_activation_bytes(
+        config: &ModelConfig,
+        tokens: usize,
+        recompute: bool,
+        element_bytes: &dyn Fn(BufKind) -> usize,
+    ) -> usize {
+        let mut bytes = 0;
+        let mut count = |n: usize, kind: BufKind| {
+            bytes += n * element_bytes(kind);
+            Ok(())
+        };
+        let slots = training_layer_slots(config, recompute);
+        Activations::new(&mut count, config, tokens, slots, Some(recompute))
+            .expect("counting never fails");
+        bytes
     }
 
     /// Forward, then `loss_grad` turns the stats into `(dL/dlogprob, dL/dentropy)` per row,
@@ -1187,19 +1254,19 @@ impl<B: Backend> Transformer<B> {
     ) -> Result<TokenStats> {
         self.check_batch(batch)?;
         let t = batch.len();
+        // A set sized for another batch is freed before the next is allocated.
+        if self.acts.as_ref().is_some_and(|acts| acts.tokens != t) {
+            self.acts = None;
+        }
         let mut acts = match self.acts.take() {
-            Some(acts) if acts.tokens == t => acts,
-            _ => {
-                let slots = if self.recompute {
-                    1
-                } else {
-                    self.config.num_hidden_layers
-                };
+            Some(acts) => acts,
+            None => {
+                let mut zeros = zeros_on(&*self.backend);
                 Activations::new(
-                    &*self.backend,
+                    &mut zeros,
                     &self.config,
                     t,
-                    slots.max(1),
+                    training_layer_slots(&self.config, self.recompute),
                     Some(self.recompute),
                 )?
             }
@@ -1473,6 +1540,25 @@ impl<B: Backend> Transformer<B> {
                     ))
                 })
                 .collect(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_normal_drawn_by_index_is_the_streams_normal() {
+        let seed = 42;
+        let mut rng = SplitMix(seed);
+        for index in 0..1000 {
+            let (u, v) = (rng.unit(), rng.unit());
+            let sequential = (-2.0 * u.ln()).sqrt() * (2.0 * std::f64::consts::PI * v).cos();
+            assert_eq!(
+                SplitMix::normal_at(seed, index).to_bits(),
+                sequential.to_bits()
+            );
         }
     }
 }

@@ -158,6 +158,54 @@ fn cuda_training_path_matches_the_cpu_reference() {
     );
 }
 
+#[test]
+fn cuda_lora_training_matches_the_cpu_lora() {
+    let cuda = match CudaBackend::new(0) {
+        Ok(cuda) => Arc::new(cuda),
+        Err(e) => {
+            eprintln!("skipping the CUDA LoRA test: {e}");
+            return;
+        }
+    };
+    let lora = floe_model::lora::LoraConfig::new(8);
+    let base = Transformer::new_random(Arc::new(CpuBackend::<f32>::new()), config(), 5).unwrap();
+    let host = base.to_host_weights().unwrap();
+    let mut cpu = base.with_lora(lora.clone()).unwrap();
+    // Fresh adapters start with B = 0; one CPU step gives both devices the same non-zero
+    // adapters, so the low-rank term enters the compared forward and backward.
+    train_step(&mut cpu, &batch());
+    adamw_step(&mut cpu);
+    let adapters = cpu.adapters_to_host().unwrap();
+    let mut gpu = Transformer::from_host_weights(cuda, config(), &host)
+        .unwrap()
+        .with_lora_weights(lora, &adapters)
+        .unwrap();
+    cpu.zero_grad().unwrap();
+    let batch = batch();
+    let (cpu_stats, cpu_grads) = train_step(&mut cpu, &batch);
+    let (gpu_stats, gpu_grads) = train_step(&mut gpu, &batch);
+    let lp_gap = max_abs_diff(&cpu_stats.logprobs, &gpu_stats.logprobs);
+    eprintln!("LoRA log-prob gap {lp_gap:.2e}");
+    assert!(lp_gap < 3e-2);
+    assert!(cpu_grads.keys().all(|name| name.contains("lora_")));
+    assert_eq!(cpu_grads.len(), gpu_grads.len());
+    for (name, want) in &cpu_grads {
+        let got = &gpu_grads[name];
+        let norm = want.iter().map(|x| x * x).sum::<f64>().sqrt();
+        let diff = got
+            .iter()
+            .zip(want)
+            .map(|(g, w)| (g - w).powi(2))
+            .sum::<f64>()
+            .sqrt();
+        eprintln!("{name}: relative LoRA gradient error {:.2e}", diff / norm);
+        assert!(
+            diff <= 5e-2 * norm.max(1e-12),
+            "{name}: gradient differs by {diff:e} (norm {norm:e})"
+        );
+    }
+}
+
 /// Throughput of one training step of the Qwen3-0.6B shape on the GPU (not a test:
 /// `--ignored train_step_throughput --nocapture` prints the numbers).
 #[test]
