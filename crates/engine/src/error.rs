@@ -31,6 +31,12 @@ pub enum Error {
         /// The KV cache's size.
         kv_cache_gib: f64,
     },
+    /// The run's memory plan does not fit the device; the message names the knobs.
+    #[error(transparent)]
+    Plan(#[from] crate::memory_plan::PlanError),
+    /// A model's `config.json` could not be read.
+    #[error(transparent)]
+    Config(#[from] floe_model::config::ConfigError),
     /// A batch could not be packed into micro-batches.
     #[error("packing: {0}")]
     Packing(#[from] crate::packing::PackingError),

@@ -11,7 +11,10 @@
 //! - [`native_api`]: the JSON wire types of floe's native HTTP API, one route per verb;
 //!   [`remote`] (feature `remote`): [`remote::RemoteEngine`], the verbs sent over that API
 //!   to `floe serve`.
-//! - [`policy`]: the weights under training and their AdamW state.
+//! - [`policy`]: the weights under training and their AdamW state, on the device or in
+//!   host memory.
+//! - [`memory_plan`]: what the device and host will hold, checked before anything is
+//!   allocated.
 //!
 //! # Batching and sampling machinery
 //!
@@ -77,6 +80,7 @@ mod device;
 mod error;
 pub mod kv_blocks;
 pub mod local;
+pub mod memory_plan;
 pub mod native_api;
 pub mod packing;
 pub mod policy;
@@ -93,6 +97,7 @@ pub use local::{
     saved_model_dir, saved_weights_source, AdapterSource, AnyLocalEngine, LocalEngine,
     LocalEngineOptions, ModelSource, SharedBase,
 };
+pub use memory_plan::{MemoryPlan, PlanError, PlanInputs};
 pub use packing::{
     pack_rollouts, MicroBatch, PackingConfig, PackingError, PackingMode, Response, ResponseRows,
     RolloutGroup, TokenRef,

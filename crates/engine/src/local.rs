@@ -24,7 +24,7 @@ use floe_backend::cpu::CpuBackend;
 use floe_backend::cuda::CudaBackend;
 use floe_backend::Backend;
 use floe_model::batch::TokenStats;
-use floe_model::lora::{load_adapter_dir, LoraConfig};
+use floe_model::lora::{load_adapter_dir, read_adapter_config, LoraConfig};
 use floe_model::tokenizer::Tokenizer;
 use floe_model::transformer::{ModelError, Result as ModelResult, Transformer};
 use floe_model::weights::{self, HostTensor, SaveDType};
@@ -35,10 +35,13 @@ use floe_rl::{compute_policy_loss, AlgorithmConfig, GlobalNorm, LossInputs};
 
 use crate::device::Device;
 use crate::error::{Error, Result};
+use crate::memory_plan::{MemoryPlan, PlanInputs};
 use crate::packing::{
     pack_rollouts, MicroBatch, PackingConfig, PackingMode, Response, RolloutGroup,
 };
-use crate::policy::{is_lora_state, OptimParams, Policy, StepOutcome, ADAPTER_DIR, MODEL_DIR};
+use crate::policy::{
+    is_lora_state, OptimParams, OptimizerPlacement, Policy, StepOutcome, ADAPTER_DIR, MODEL_DIR,
+};
 use crate::sampler::{Generation, SampleRequest, Sampler, SamplerConfig};
 use crate::verbs::{
     Engine, EngineInfo, ForwardBackwardOutput, Loss, SequenceGroup, TokenOutputs, TrainGroup,
@@ -49,9 +52,6 @@ use crate::verbs::{
 const REFERENCE_DIR: &str = "reference";
 /// KV-cache budget when the device cannot report its memory (the CPU).
 const DEFAULT_HOST_KV_BYTES: usize = 512 << 20;
-/// Share of the usable free device memory given to the KV cache; the rest is left for
-/// training activations.
-const KV_SHARE_OF_FREE_MEMORY: f64 = 0.5;
 
 /// The sub-folder of a saved engine state that holds the policy's weights as an f32
 /// Hugging Face folder (what `floe export` reads).
@@ -70,8 +70,8 @@ pub struct LocalEngineOptions {
     pub recompute: bool,
     /// Most tokens in one training or scoring micro-batch.
     pub max_tokens_per_microbatch: usize,
-    /// Bytes of KV cache; `None` derives it from `memory_fraction` of the device's free
-    /// memory (half of it; the rest is left for training), or 512 MiB on the CPU.
+    /// Bytes of KV cache; `None` gives it what the engine's memory plan leaves of
+    /// `memory_fraction` of the device's free memory, or 512 MiB on the CPU.
     pub kv_cache_bytes: Option<usize>,
     /// Fraction of the device's free memory the engine may use.
     pub memory_fraction: f64,
@@ -85,6 +85,10 @@ pub struct LocalEngineOptions {
     pub seed: u64,
     /// Storage dtype of [`Engine::export_hf`].
     pub export_dtype: SaveDType,
+    /// Where the optimizer keeps the f32 master weights and AdamW moments
+    /// ([`OptimizerPlacement::Host`]: host memory, for models whose optimizer state does
+    /// not fit the device).
+    pub optimizer_placement: OptimizerPlacement,
 }
 
 impl Default for LocalEngineOptions {
@@ -101,6 +105,7 @@ impl Default for LocalEngineOptions {
             max_running_seqs: 256,
             seed: 0,
             export_dtype: SaveDType::BF16,
+            optimizer_placement: OptimizerPlacement::Device,
         }
     }
 }
@@ -211,6 +216,34 @@ pub fn saved_weights_source(state_dir: &Path, base: ModelSource) -> ModelSource 
 }
 
 impl ModelSource {
+    /// The model's shape and the adapters that train on it, read without loading weights.
+    fn shape(&self) -> Result<(ModelConfig, Option<LoraConfig>)> {
+        Ok(match self {
+            ModelSource::Dir(dir) => (ModelConfig::from_hf_file(dir.join("config.json"))?, None),
+            ModelSource::Random { config, .. } | ModelSource::Host { config, .. } => {
+                (config.clone(), None)
+            }
+            ModelSource::Shared(shared) => shared.source.shape()?,
+            ModelSource::Lora { base, adapters } => {
+                let lora = match adapters {
+                    AdapterSource::Fresh(config) => config.clone(),
+                    AdapterSource::Dir(dir) => read_adapter_config(dir)?,
+                };
+                (base.shape()?.0, Some(lora))
+            }
+        })
+    }
+
+    /// Whether the base weights are already on the device (a shared base another engine
+    /// loaded), so they cost this engine nothing.
+    fn base_is_resident(&self) -> bool {
+        match self {
+            ModelSource::Shared(shared) => shared.loaded.get().is_some(),
+            ModelSource::Lora { base, .. } => base.base_is_resident(),
+            _ => false,
+        }
+    }
+
     fn load<B: Backend>(self, backend: Arc<B>) -> Result<Transformer<B>> {
         Ok(match self {
             ModelSource::Dir(dir) => {
@@ -261,9 +294,12 @@ impl<B: Backend> LocalEngine<B> {
                 "max_tokens_per_microbatch is 0; give a positive token budget".into(),
             ));
         }
+        let plan = memory_plan(&*backend, &source, &options)?;
+        plan.check()?;
         let mut policy = Policy::new(source.load(backend)?);
+        policy.set_optimizer_placement(options.optimizer_placement)?;
         policy.set_recompute(options.recompute);
-        let sampler_config = sampler_config(policy.model(), &options);
+        let sampler_config = sampler_config(policy.model(), &options, &plan);
         let tokenizer = tokenizer.map(Arc::new);
         let sampler = new_sampler(policy.model(), &sampler_config, &tokenizer)?;
         let info = engine_info(policy.model(), &options, &sampler_config);
@@ -302,8 +338,21 @@ impl<B: Backend> LocalEngine<B> {
 
     /// Rebuilds sampler and info after the model's shape may have changed.
     fn resize_for_model(&mut self) -> Result<()> {
-        self.sampler_config = sampler_config(self.policy.model(), &self.options);
-        self.sampler = new_sampler(self.policy.model(), &self.sampler_config, &self.tokenizer)?;
+        let model = self.policy.model();
+        // The old cache goes first, so the new one can have its memory.
+        let smallest = SamplerConfig {
+            num_blocks: 1,
+            ..SamplerConfig::default()
+        };
+        self.sampler = new_sampler(model, &smallest, &None)?;
+        let resident = ModelSource::Random {
+            config: model.config().clone(),
+            seed: 0,
+        };
+        let mut plan = memory_plan(&**model.backend(), &resident, &self.options)?;
+        plan.without_base_weights();
+        self.sampler_config = sampler_config(model, &self.options, &plan);
+        self.sampler = new_sampler(model, &self.sampler_config, &self.tokenizer)?;
         self.info = engine_info(self.policy.model(), &self.options, &self.sampler_config);
         Ok(())
     }
@@ -654,9 +703,9 @@ impl<B: Backend> Engine for LocalEngine<B> {
                     dir.display()
                 )));
             }
-            Policy::load_lora(current.share_base()?, dir)?
+            Policy::load_lora(current.share_base()?, dir, self.options.optimizer_placement)?
         } else {
-            Policy::load(Arc::clone(&backend), dir)?
+            Policy::load(Arc::clone(&backend), dir, self.options.optimizer_placement)?
         };
         policy.set_recompute(self.options.recompute);
         let reference_dir = dir.join(REFERENCE_DIR);
@@ -675,9 +724,18 @@ impl<B: Backend> Engine for LocalEngine<B> {
         Ok(())
     }
 
-    /// Writes the weights (a LoRA policy's adapters folded in) as a Hugging Face folder.
+    /// Writes the weights (a LoRA policy's adapters folded in; the f32 masters, wherever
+    /// the optimizer keeps them) as a Hugging Face folder.
     fn export_hf(&mut self, dir: &Path) -> Result<()> {
-        let (config, host) = self.policy.model().merged_host_weights()?;
+        let model = self.policy.model();
+        let (config, host) = if model.lora_config().is_some() {
+            model.merged_host_weights()?
+        } else {
+            (
+                model.config().clone(),
+                self.policy.master_weights_to_host()?,
+            )
+        };
         weights::save_model_dir(dir, &config, &host, self.options.export_dtype)?;
         if let Some(tokenizer) = &self.tokenizer {
             tokenizer.save_dir(dir)?;
@@ -936,18 +994,41 @@ fn logit_scale(temperature: f32) -> Result<f32> {
 
 /// Sampler sizes: the KV blocks a byte budget buys, never more than the running
 /// sequences could fill at the model's longest context.
+/// The memory plan of an engine for `source` on `backend` (see [`MemoryPlan`]): the
+/// device budget is `options.memory_fraction` of the memory free before loading.
+fn memory_plan<B: Backend>(
+    backend: &B,
+    source: &ModelSource,
+    options: &LocalEngineOptions,
+) -> Result<MemoryPlan> {
+    let (model, lora) = source.shape()?;
+    let budget = backend
+        .memory_info()
+        .map(|(free, _total)| (free as f64 * options.memory_fraction) as usize);
+    let mut plan = MemoryPlan::new(&PlanInputs {
+        model: &model,
+        lora: lora.as_ref(),
+        device: options.device,
+        placement: options.optimizer_placement,
+        recompute: options.recompute,
+        max_tokens_per_microbatch: options.max_tokens_per_microbatch,
+        budget_bytes: budget,
+    });
+    if source.base_is_resident() {
+        plan.without_base_weights();
+    }
+    Ok(plan)
+}
+
 fn sampler_config<B: Backend>(
     model: &Transformer<B>,
     options: &LocalEngineOptions,
+    plan: &MemoryPlan,
 ) -> SamplerConfig {
     let bytes = options
         .kv_cache_bytes
-        .unwrap_or_else(|| match model.backend().memory_info() {
-            Some((free, _total)) => {
-                (free as f64 * options.memory_fraction * KV_SHARE_OF_FREE_MEMORY) as usize
-            }
-            None => DEFAULT_HOST_KV_BYTES,
-        });
+        .or(plan.kv_cache_bytes())
+        .unwrap_or(DEFAULT_HOST_KV_BYTES);
     let block_size = options.block_size.max(1);
     let per_block = model.kv_cache_bytes_per_block(block_size).max(1);
     let longest = model.config().max_position_embeddings.max(1);

@@ -11,11 +11,23 @@
 //! AdamW and clears the gradients. The sampler reads the same weights: on the CPU the
 //! Full weights are the compute weights, on CUDA AdamW writes the bf16 copy in the same
 //! kernel, so handing the new weights to the sampler moves no bytes.
+//!
+//! # Optimizer in host memory
+//!
+//! On a device, full-weight AdamW keeps about 16 bytes a parameter (f32 master, gradient
+//! and two moments) beside the bf16 weights: an 8B model needs ~130 GB before its first
+//! activation. [`OptimizerPlacement::Host`] keeps the f32 master weights and the moments
+//! in host memory instead (as DeepSpeed's ZeRO-Offload does): the device holds the bf16
+//! weights and the f32 gradients; each step downloads a parameter's gradient, applies
+//! AdamW on the CPU (the CPU backend's own `adamw`, so both placements run one update
+//! rule) and uploads the new weights in the device's compute precision. The result equals
+//! the on-device optimizer's up to f32 rounding.
 
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
 
+use floe_backend::cpu::{CpuBackend, CpuBuf};
 use floe_backend::{AdamW, Backend, BufKind};
 use floe_model::batch::{PackedBatch, TokenStats};
 use floe_model::lora::{self, ADAPTER_CONFIG_FILE};
@@ -58,17 +70,48 @@ pub struct StepOutcome {
     pub step: u64,
 }
 
+/// Where the optimizer keeps the f32 master weights and the AdamW moments.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OptimizerPlacement {
+    /// Beside the weights, on the model's device.
+    #[default]
+    Device,
+    /// In host memory; the device keeps only the weights in compute precision and the
+    /// gradients (see the module docs).
+    Host,
+}
+
 /// AdamW first and second moments of one parameter (Full buffers).
-struct Moments<B: Backend> {
-    m: B::Buf,
-    v: B::Buf,
+struct Moments<Buf> {
+    m: Buf,
+    v: Buf,
+}
+
+/// The optimizer's state of one parameter kept in host memory.
+struct HostParam {
+    /// The f32 master weights.
+    master: CpuBuf<f32>,
+    /// Allocated on the first optimizer step.
+    moments: Option<Moments<CpuBuf<f32>>>,
+}
+
+/// The optimizer state, keyed by HF tensor name, where [`OptimizerPlacement`] says.
+enum OptimizerState<B: Backend> {
+    /// Moments on the device, allocated on the first optimizer step; the masters are the
+    /// model's own Full weights.
+    Device(BTreeMap<String, Moments<B::Buf>>),
+    /// Masters and moments in host memory, updated by the CPU backend.
+    Host {
+        cpu: CpuBackend<f32>,
+        params: BTreeMap<String, HostParam>,
+    },
 }
 
 /// The transformer being trained with its optimizer state.
 pub struct Policy<B: Backend> {
     model: Transformer<B>,
-    /// Keyed by HF tensor name; allocated on the first optimizer step.
-    moments: BTreeMap<String, Moments<B>>,
+    state: OptimizerState<B>,
     step: u64,
 }
 
@@ -89,12 +132,69 @@ struct OptimizerMeta {
 }
 
 impl<B: Backend> Policy<B> {
-    /// Wraps a model with fresh optimizer state.
+    /// Wraps a model with fresh optimizer state on its device.
     pub fn new(model: Transformer<B>) -> Self {
         Policy {
             model,
-            moments: BTreeMap::new(),
+            state: OptimizerState::Device(BTreeMap::new()),
             step: 0,
+        }
+    }
+
+    /// Where the optimizer state lives.
+    pub fn optimizer_placement(&self) -> OptimizerPlacement {
+        match self.state {
+            OptimizerState::Device(_) => OptimizerPlacement::Device,
+            OptimizerState::Host { .. } => OptimizerPlacement::Host,
+        }
+    }
+
+    /// Moves the optimizer state to `placement`. Going to the host copies the master
+    /// weights and the moments there and frees the device's f32 masters (the model keeps
+    /// its weights in compute precision); going back to the device is refused, since
+    /// the device may not have room for what the host holds.
+    pub fn set_optimizer_placement(&mut self, placement: OptimizerPlacement) -> Result<()> {
+        match (placement, &mut self.state) {
+            (OptimizerPlacement::Device, OptimizerState::Device(_))
+            | (OptimizerPlacement::Host, OptimizerState::Host { .. }) => Ok(()),
+            (OptimizerPlacement::Device, OptimizerState::Host { .. }) => {
+                Err(Error::InvalidRequest(
+                    "the optimizer state is in host memory; it does not move back to the \
+                     device (build a new policy instead)"
+                        .into(),
+                ))
+            }
+            (OptimizerPlacement::Host, OptimizerState::Device(moments)) => {
+                let backend = Arc::clone(self.model.backend());
+                let host = |buf: &B::Buf| -> floe_backend::Result<CpuBuf<f32>> {
+                    Ok(CpuBuf::Float {
+                        data: backend.download(buf)?,
+                        kind: BufKind::Full,
+                    })
+                };
+                let mut params = BTreeMap::new();
+                let mut device_moments = std::mem::take(moments);
+                self.model.visit_params(&mut |name, slot| {
+                    let moments = match device_moments.remove(name) {
+                        Some(state) => Some(Moments {
+                            m: host(&state.m)?,
+                            v: host(&state.v)?,
+                        }),
+                        None => None,
+                    };
+                    let master = host(slot.param)?;
+                    params.insert(name.to_string(), HostParam { master, moments });
+                    Ok(())
+                })?;
+                if self.model.lora_config().is_none() {
+                    self.model.drop_device_masters()?;
+                }
+                self.state = OptimizerState::Host {
+                    cpu: CpuBackend::new(),
+                    params,
+                };
+                Ok(())
+            }
         }
     }
 
@@ -164,27 +264,66 @@ impl<B: Backend> Policy<B> {
             grad_scale: grad_scale as f32,
         };
         let backend = Arc::clone(self.model.backend());
-        let moments = &mut self.moments;
-        self.model.visit_params(&mut |name, slot| {
-            if !moments.contains_key(name) {
-                let len = backend.len(slot.param);
-                let state = Moments {
-                    m: backend.zeros(len, BufKind::Full)?,
-                    v: backend.zeros(len, BufKind::Full)?,
-                };
-                moments.insert(name.to_string(), state);
+        match &mut self.state {
+            OptimizerState::Device(moments) => self.model.visit_params(&mut |name, slot| {
+                if !moments.contains_key(name) {
+                    let len = backend.len(slot.param);
+                    let state = Moments {
+                        m: backend.zeros(len, BufKind::Full)?,
+                        v: backend.zeros(len, BufKind::Full)?,
+                    };
+                    moments.insert(name.to_string(), state);
+                }
+                let state = moments.get_mut(name).expect("inserted above");
+                backend.adamw(
+                    slot.param,
+                    slot.grad,
+                    &mut state.m,
+                    &mut state.v,
+                    slot.compute,
+                    hp,
+                )?;
+                Ok(())
+            })?,
+            OptimizerState::Host { cpu, params } => {
+                self.model.visit_params(&mut |name, slot| {
+                    let host = params.get_mut(name).ok_or_else(|| {
+                        ModelError::Input(format!("no host master weights for `{name}`"))
+                    })?;
+                    let grad = CpuBuf::Float {
+                        data: backend.download(slot.grad)?,
+                        kind: BufKind::Full,
+                    };
+                    let len = grad_len(&grad);
+                    let moments = host.moments.get_or_insert_with(|| Moments {
+                        m: CpuBuf::Float {
+                            data: vec![0.0; len],
+                            kind: BufKind::Full,
+                        },
+                        v: CpuBuf::Float {
+                            data: vec![0.0; len],
+                            kind: BufKind::Full,
+                        },
+                    });
+                    cpu.adamw(
+                        &mut host.master,
+                        &grad,
+                        &mut moments.m,
+                        &mut moments.v,
+                        None,
+                        hp,
+                    )?;
+                    let CpuBuf::Float { data: master, .. } = &host.master else {
+                        unreachable!("host masters are float buffers")
+                    };
+                    *slot.param = backend.upload(master, backend.kind(slot.param))?;
+                    if let Some(compute) = slot.compute {
+                        backend.copy(compute, slot.param)?;
+                    }
+                    Ok(())
+                })?
             }
-            let state = moments.get_mut(name).expect("inserted above");
-            backend.adamw(
-                slot.param,
-                slot.grad,
-                &mut state.m,
-                &mut state.v,
-                slot.compute,
-                hp,
-            )?;
-            Ok(())
-        })?;
+        }
         self.model.zero_grad()?;
         Ok(StepOutcome {
             grad_norm,
@@ -197,8 +336,32 @@ impl<B: Backend> Policy<B> {
     /// phase of training (RL after a supervised warm start) keeps none of the previous
     /// phase's gradient statistics.
     pub fn reset_optimizer(&mut self) {
-        self.moments.clear();
+        match &mut self.state {
+            OptimizerState::Device(moments) => moments.clear(),
+            OptimizerState::Host { params, .. } => {
+                params.values_mut().for_each(|p| p.moments = None);
+            }
+        }
         self.step = 0;
+    }
+
+    /// The f32 weights under training (a LoRA policy's base and adapters are read with
+    /// [`Transformer::to_host_weights`] and [`Transformer::adapters_to_host`]): the
+    /// model's own Full weights, or the host masters when the optimizer keeps them.
+    pub fn master_weights_to_host(&self) -> Result<BTreeMap<String, HostTensor>> {
+        let mut weights = self.model.to_host_weights()?;
+        if let OptimizerState::Host { params, .. } = &self.state {
+            for (name, tensor) in weights.iter_mut() {
+                if let Some(HostParam {
+                    master: CpuBuf::Float { data, .. },
+                    ..
+                }) = params.get(name)
+                {
+                    tensor.data.clone_from(data);
+                }
+            }
+        }
+        Ok(weights)
     }
 
     /// Writes the state into `dir` (created if needed): the weights as an f32 Hugging
@@ -223,7 +386,7 @@ impl<B: Backend> Policy<B> {
             }
             None => {
                 remove_dir_if_present(&dir.join(ADAPTER_DIR))?;
-                let host = self.model.to_host_weights()?;
+                let host = self.master_weights_to_host()?;
                 weights::save_model_dir(
                     dir.join(MODEL_DIR),
                     self.model.config(),
@@ -234,11 +397,28 @@ impl<B: Backend> Policy<B> {
         }
         let backend = self.model.backend();
         let mut tensors = BTreeMap::new();
-        for (name, state) in &self.moments {
-            for (suffix, buf) in [(EXP_AVG, &state.m), (EXP_AVG_SQ, &state.v)] {
-                let data = backend.download(buf)?;
-                let shape = vec![data.len()];
-                tensors.insert(format!("{name}.{suffix}"), HostTensor { shape, data });
+        let mut insert = |name: &str, suffix: &str, data: Vec<f32>| {
+            let shape = vec![data.len()];
+            tensors.insert(format!("{name}.{suffix}"), HostTensor { shape, data });
+        };
+        match &self.state {
+            OptimizerState::Device(moments) => {
+                for (name, state) in moments {
+                    insert(name, EXP_AVG, backend.download(&state.m)?);
+                    insert(name, EXP_AVG_SQ, backend.download(&state.v)?);
+                }
+            }
+            OptimizerState::Host { params, .. } => {
+                for (name, param) in params {
+                    if let Some(Moments {
+                        m: CpuBuf::Float { data: m, .. },
+                        v: CpuBuf::Float { data: v, .. },
+                    }) = &param.moments
+                    {
+                        insert(name, EXP_AVG, m.clone());
+                        insert(name, EXP_AVG_SQ, v.clone());
+                    }
+                }
             }
         }
         weights::save_tensors(dir.join(OPTIMIZER_FILE), &tensors)?;
@@ -247,10 +427,10 @@ impl<B: Backend> Policy<B> {
         write_atomically(&dir.join(OPTIMIZER_META), meta.as_bytes())
     }
 
-    /// Restores a full-weight policy written by [`Policy::save`] onto `backend`. Errors
-    /// name the file that is missing or does not match the model; a LoRA state is
-    /// refused with a pointer to [`Policy::load_lora`].
-    pub fn load(backend: Arc<B>, dir: &Path) -> Result<Self> {
+    /// Restores a full-weight policy written by [`Policy::save`] onto `backend`, with its
+    /// optimizer state at `placement`. Errors name the file that is missing or does not
+    /// match the model; a LoRA state is refused with a pointer to [`Policy::load_lora`].
+    pub fn load(backend: Arc<B>, dir: &Path, placement: OptimizerPlacement) -> Result<Self> {
         if is_lora_state(dir) {
             return Err(Error::Corrupt {
                 path: dir.to_path_buf(),
@@ -262,13 +442,17 @@ impl<B: Backend> Policy<B> {
         let meta = read_optimizer_meta(dir)?;
         let (config, host) = weights::load_model_dir(dir.join(MODEL_DIR))?;
         let model = Transformer::from_host_weights(Arc::clone(&backend), config, &host)?;
-        Self::with_saved_optimizer(model, dir, meta)
+        Self::with_saved_optimizer(model, dir, meta, placement)
     }
 
     /// Restores a LoRA policy written by [`Policy::save`]: the adapters under
     /// `dir/adapter` on `base` (a model without adapters, holding the weights the
     /// adapters were trained on), with their AdamW moments and step count.
-    pub fn load_lora(base: Transformer<B>, dir: &Path) -> Result<Self> {
+    pub fn load_lora(
+        base: Transformer<B>,
+        dir: &Path,
+        placement: OptimizerPlacement,
+    ) -> Result<Self> {
         if base.lora_config().is_some() {
             return Err(Error::Model(ModelError::Input(
                 "load_lora: the base model already has adapters; give it without".into(),
@@ -277,16 +461,17 @@ impl<B: Backend> Policy<B> {
         let meta = read_optimizer_meta(dir)?;
         let (config, adapters) = lora::load_adapter_dir(&dir.join(ADAPTER_DIR))?;
         let model = base.with_lora_weights(config, &adapters)?;
-        Self::with_saved_optimizer(model, dir, meta)
+        Self::with_saved_optimizer(model, dir, meta, placement)
     }
 
-    /// `model` with the AdamW moments saved in `dir` and the step count of `meta`.
+    /// `model` with the AdamW moments saved in `dir` and the step count of `meta`, the
+    /// optimizer state at `placement` (host moments never visit the device).
     fn with_saved_optimizer(
         model: Transformer<B>,
         dir: &Path,
         meta: OptimizerMeta,
+        placement: OptimizerPlacement,
     ) -> Result<Self> {
-        let backend = Arc::clone(model.backend());
         let optimizer_path = dir.join(OPTIMIZER_FILE);
         let corrupt = |msg: String| Error::Corrupt {
             path: optimizer_path.clone(),
@@ -308,11 +493,7 @@ impl<B: Backend> Policy<B> {
             };
             match (take(EXP_AVG)?, take(EXP_AVG_SQ)?) {
                 (Some(m), Some(v)) => {
-                    let state = Moments {
-                        m: backend.upload(&m.data, BufKind::Full)?,
-                        v: backend.upload(&v.data, BufKind::Full)?,
-                    };
-                    moments.insert(name, state);
+                    moments.insert(name, (m.data, v.data));
                 }
                 (None, None) => {}
                 _ => {
@@ -333,11 +514,41 @@ impl<B: Backend> Policy<B> {
                 meta.step
             )));
         }
-        Ok(Policy {
-            model,
-            moments,
-            step: meta.step,
-        })
+        let mut policy = Policy::new(model);
+        policy.step = meta.step;
+        policy.set_optimizer_placement(placement)?;
+        let backend = Arc::clone(policy.model.backend());
+        for (name, (m, v)) in moments {
+            match &mut policy.state {
+                OptimizerState::Device(device) => {
+                    let state = Moments {
+                        m: backend.upload(&m, BufKind::Full)?,
+                        v: backend.upload(&v, BufKind::Full)?,
+                    };
+                    device.insert(name, state);
+                }
+                OptimizerState::Host { params, .. } => {
+                    let float = |data| CpuBuf::Float {
+                        data,
+                        kind: BufKind::Full,
+                    };
+                    let param = params.get_mut(&name).expect("a trainable parameter");
+                    param.moments = Some(Moments {
+                        m: float(m),
+                        v: float(v),
+                    });
+                }
+            }
+        }
+        Ok(policy)
+    }
+}
+
+/// Elements of a host buffer.
+fn grad_len(buf: &CpuBuf<f32>) -> usize {
+    match buf {
+        CpuBuf::Float { data, .. } => data.len(),
+        CpuBuf::Index(data) => data.len(),
     }
 }
 
@@ -451,7 +662,8 @@ mod tests {
         }
         let dir = temp_dir("resume");
         straight.save(&dir).unwrap();
-        let mut resumed = Policy::load(Arc::clone(&backend), &dir).unwrap();
+        let mut resumed =
+            Policy::load(Arc::clone(&backend), &dir, OptimizerPlacement::Device).unwrap();
         assert_eq!(resumed.step(), 2);
         let a = train_step(&mut straight, &batch);
         let b = train_step(&mut resumed, &batch);
@@ -511,8 +723,11 @@ mod tests {
         );
         assert_ne!(policy.model().adapters_to_host().unwrap(), adapters);
         // AdamW moments exist for the adapters alone.
-        assert!(policy.moments.keys().all(|name| name.contains(".lora_")));
-        assert_eq!(policy.moments.len(), policy.model().trainable_specs().len());
+        let OptimizerState::Device(moments) = &policy.state else {
+            unreachable!("a new policy's optimizer is on its device")
+        };
+        assert!(moments.keys().all(|name| name.contains(".lora_")));
+        assert_eq!(moments.len(), policy.model().trainable_specs().len());
     }
 
     #[test]
@@ -526,12 +741,13 @@ mod tests {
         let dir = temp_dir("lora-resume");
         straight.save(&dir).unwrap();
         assert!(is_lora_state(&dir) && !dir.join(MODEL_DIR).exists());
-        let err = Policy::<CpuBackend>::load(Arc::clone(&backend), &dir)
-            .err()
-            .unwrap();
+        let err =
+            Policy::<CpuBackend>::load(Arc::clone(&backend), &dir, OptimizerPlacement::Device)
+                .err()
+                .unwrap();
         assert!(err.to_string().contains("load_lora"), "{err}");
         let base = Transformer::new_random(Arc::clone(&backend), tiny_config(), 7).unwrap();
-        let mut resumed = Policy::load_lora(base, &dir).unwrap();
+        let mut resumed = Policy::load_lora(base, &dir, OptimizerPlacement::Device).unwrap();
         assert_eq!(resumed.step(), 2);
         assert_eq!(
             train_step(&mut straight, &batch),
@@ -552,7 +768,53 @@ mod tests {
     fn load_names_a_missing_state_file() {
         let backend = Arc::new(CpuBackend::<f32>::new());
         let dir = temp_dir("missing");
-        let err = Policy::<CpuBackend>::load(backend, &dir).err().unwrap();
+        let err = Policy::<CpuBackend>::load(backend, &dir, OptimizerPlacement::Device)
+            .err()
+            .unwrap();
         assert!(err.to_string().contains(OPTIMIZER_META), "{err}");
+    }
+
+    #[test]
+    fn the_host_optimizer_updates_as_the_device_optimizer_does() {
+        let backend = Arc::new(CpuBackend::<f32>::new());
+        let model = |seed| Transformer::new_random(Arc::clone(&backend), tiny_config(), seed);
+        let mut device = Policy::new(model(7).unwrap());
+        let mut host = Policy::new(model(7).unwrap());
+        let batch = PackedBatch::from_sequences(&[vec![3, 5, 7, 9, 11], vec![2, 4, 6]]).unwrap();
+        // One step on the device before moving: the moments move with the masters.
+        assert_eq!(
+            train_step(&mut device, &batch),
+            train_step(&mut host, &batch)
+        );
+        host.set_optimizer_placement(OptimizerPlacement::Host)
+            .unwrap();
+        assert_eq!(host.optimizer_placement(), OptimizerPlacement::Host);
+        for _ in 0..3 {
+            assert_eq!(
+                train_step(&mut device, &batch),
+                train_step(&mut host, &batch)
+            );
+        }
+        let weights = device.model().to_host_weights().unwrap();
+        assert_eq!(host.model().to_host_weights().unwrap(), weights);
+        assert_eq!(host.master_weights_to_host().unwrap(), weights);
+        // A saved host state resumes on the host and on the device alike.
+        let dir = temp_dir("host-optimizer");
+        host.save(&dir).unwrap();
+        let expected = train_step(&mut device, &batch);
+        for placement in [OptimizerPlacement::Host, OptimizerPlacement::Device] {
+            let mut resumed = Policy::load(Arc::clone(&backend), &dir, placement).unwrap();
+            assert_eq!(resumed.optimizer_placement(), placement);
+            assert_eq!(train_step(&mut resumed, &batch), expected);
+            assert_eq!(
+                resumed.master_weights_to_host().unwrap(),
+                device.model().to_host_weights().unwrap()
+            );
+        }
+        let err = host
+            .set_optimizer_placement(OptimizerPlacement::Device)
+            .unwrap_err();
+        assert!(err.to_string().contains("host memory"), "{err}");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

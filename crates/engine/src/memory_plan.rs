@@ -1,0 +1,337 @@
+//! The memory plan of a local engine: what the device and the host will hold once the
+//! engine trains and samples, computed from the model's shape before anything is
+//! allocated, so a run that cannot fit says so at start, naming the knob that frees
+//! memory, instead of running out of memory in the middle of a step.
+//!
+//! The device holds the weights (and, unless the optimizer lives on the host, their f32
+//! masters and AdamW moments), the f32 gradients of what trains, one micro-batch's
+//! activations (counted by the model's own constructors,
+//! [`Transformer::training_activation_bytes`]), the backend's workspaces and the
+//! sampler's KV cache, which gets what is left of the budget.
+
+use std::fmt;
+
+use floe_backend::BufKind;
+use floe_model::lora::{adapter_specs, LoraConfig};
+use floe_model::transformer::Transformer;
+use floe_model::ModelConfig;
+
+use crate::device::Device;
+use crate::policy::OptimizerPlacement;
+
+/// The CUDA backend's lm-head works through logits of at most this many elements at a
+/// time (f32; the backward holds a second such chunk), as `floe_model` sizes its chunks.
+const DEVICE_LM_HEAD_CHUNK_LOGITS: usize = 1 << 26;
+/// cuBLAS workspace and the CUDA context's own allocations, kept free.
+const DEVICE_RESERVE_BYTES: usize = 1 << 30;
+/// The smallest KV cache worth sampling with: a plan that leaves less does not fit.
+pub const MIN_KV_CACHE_BYTES: usize = 256 << 20;
+
+/// What a plan is made from.
+#[derive(Clone, Debug)]
+pub struct PlanInputs<'a> {
+    /// The model's shape.
+    pub model: &'a ModelConfig,
+    /// Adapters that train on a frozen base, if any.
+    pub lora: Option<&'a LoraConfig>,
+    /// The device.
+    pub device: Device,
+    /// Where the optimizer keeps masters and moments.
+    pub placement: OptimizerPlacement,
+    /// Whether the backward recomputes each layer's activations.
+    pub recompute: bool,
+    /// Most tokens in one training micro-batch.
+    pub max_tokens_per_microbatch: usize,
+    /// Bytes the engine may use on the device (`engine.memory_fraction` of its free
+    /// memory); `None` on the CPU, whose KV cache has a fixed size.
+    pub budget_bytes: Option<usize>,
+}
+
+/// One line of a plan.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PlanItem {
+    /// What the bytes hold.
+    pub what: &'static str,
+    /// How many.
+    pub bytes: usize,
+}
+
+/// What the device and the host will hold; see the module docs.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MemoryPlan {
+    /// Resident on the device besides the KV cache.
+    pub device: Vec<PlanItem>,
+    /// Resident in host memory (the optimizer, when it lives there).
+    pub host: Vec<PlanItem>,
+    /// The device budget, when the device has one.
+    pub budget_bytes: Option<usize>,
+    /// Micro-batch tokens, recompute and placement, for the knobs a refusal names.
+    inputs: (usize, bool, OptimizerPlacement),
+}
+
+impl MemoryPlan {
+    /// The plan of `inputs`.
+    pub fn new(inputs: &PlanInputs<'_>) -> Self {
+        let bytes = |kind: BufKind| match inputs.device {
+            Device::Cpu => 4,
+            Device::Cuda(_) => floe_backend::cuda::element_bytes(kind),
+        };
+        let on_device = matches!(inputs.device, Device::Cuda(_));
+        let (compute, full) = (bytes(BufKind::Compute), bytes(BufKind::Full));
+        let base = inputs.model.num_parameters();
+        let trained = match inputs.lora {
+            Some(lora) => adapter_specs(inputs.model, lora)
+                .iter()
+                .map(|(_, shape)| shape.iter().product::<usize>())
+                .sum(),
+            None => base,
+        };
+        let host_optimizer = inputs.placement == OptimizerPlacement::Host;
+        let mut device = Vec::new();
+        let mut host = Vec::new();
+        // The weights forwards read; on the CPU they are the masters themselves.
+        let separate_compute = on_device && compute != full;
+        let frozen_base = inputs.lora.is_some();
+        if separate_compute {
+            device.push(item("weights (compute precision)", base * compute));
+        }
+        // The base's Full masters stay on the device unless a host optimizer of the full
+        // weights took them (a LoRA base keeps them; on the CPU they are the weights).
+        let device_masters = !separate_compute || frozen_base || !host_optimizer;
+        if device_masters {
+            device.push(item("master weights (f32)", base * full));
+        }
+        if frozen_base {
+            device.push(item(
+                "adapters (f32 + compute copy)",
+                trained * (full + compute),
+            ));
+        }
+        device.push(item("gradients (f32)", trained * full));
+        let optimizer = if host_optimizer {
+            &mut host
+        } else {
+            &mut device
+        };
+        if host_optimizer && !frozen_base {
+            optimizer.push(item("master weights (f32)", base * full));
+        }
+        optimizer.push(item("AdamW moments (f32)", 2 * trained * full));
+        let tokens = inputs.max_tokens_per_microbatch;
+        device.push(item(
+            "activations of one micro-batch",
+            Transformer::<floe_backend::cpu::CpuBackend>::training_activation_bytes(
+                inputs.model,
+                tokens,
+                inputs.recompute,
+                &bytes,
+            ),
+        ));
+        if on_device {
+            let chunk = DEVICE_LM_HEAD_CHUNK_LOGITS.min(tokens * inputs.model.vocab_size);
+            device.push(item("lm-head logits chunks (f32)", 2 * chunk * full));
+            device.push(item("CUDA context and workspaces", DEVICE_RESERVE_BYTES));
+        }
+        MemoryPlan {
+            device,
+            host,
+            budget_bytes: inputs.budget_bytes,
+            inputs: (tokens, inputs.recompute, inputs.placement),
+        }
+    }
+
+    /// Drops the base weights from the device lines: they are already resident (a base
+    /// shared by several engines) and cost this engine nothing.
+    pub fn without_base_weights(&mut self) {
+        self.device.retain(|i| {
+            !matches!(
+                i.what,
+                "weights (compute precision)" | "master weights (f32)"
+            )
+        });
+    }
+
+    /// Bytes on the device besides the KV cache.
+    pub fn device_bytes(&self) -> usize {
+        self.device.iter().map(|i| i.bytes).sum()
+    }
+
+    /// Bytes in host memory.
+    pub fn host_bytes(&self) -> usize {
+        self.host.iter().map(|i| i.bytes).sum()
+    }
+
+    /// What the budget leaves for the KV cache (`None` without a budget).
+    pub fn kv_cache_bytes(&self) -> Option<usize> {
+        self.budget_bytes
+            .map(|budget| budget.saturating_sub(self.device_bytes()))
+    }
+
+    /// `Ok` when the plan leaves at least [`MIN_KV_CACHE_BYTES`] for the KV cache, else
+    /// an error that gives the plan and names the settings that free memory.
+    pub fn check(&self) -> Result<(), PlanError> {
+        match (self.budget_bytes, self.kv_cache_bytes()) {
+            (Some(budget), Some(kv)) if kv < MIN_KV_CACHE_BYTES => {
+                let (tokens, recompute, placement) = self.inputs;
+                let mut knobs = vec![format!(
+                    "lower the micro-batch tokens (trainer.max_tokens_per_microbatch, now \
+                     {tokens})"
+                )];
+                if !recompute {
+                    knobs.push("set engine.recompute = true".into());
+                }
+                if placement == OptimizerPlacement::Device {
+                    knobs.push(
+                        "set engine.offload_optimizer = true (masters and AdamW moments in \
+                         host memory)"
+                            .into(),
+                    );
+                }
+                knobs.push("raise engine.memory_fraction".into());
+                Err(PlanError {
+                    needed: self.device_bytes() + MIN_KV_CACHE_BYTES,
+                    budget,
+                    plan: self.to_string(),
+                    knobs,
+                })
+            }
+            _ => Ok(()),
+        }
+    }
+}
+
+fn item(what: &'static str, bytes: usize) -> PlanItem {
+    PlanItem { what, bytes }
+}
+
+/// Gibibytes, for people.
+fn gib(bytes: usize) -> f64 {
+    bytes as f64 / f64::from(1 << 30)
+}
+
+impl fmt::Display for MemoryPlan {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(f, "device memory plan:")?;
+        for i in &self.device {
+            writeln!(f, "  {:<34} {:>9.2} GiB", i.what, gib(i.bytes))?;
+        }
+        match (self.budget_bytes, self.kv_cache_bytes()) {
+            (Some(budget), Some(kv)) => {
+                writeln!(
+                    f,
+                    "  {:<34} {:>9.2} GiB",
+                    "KV cache (what is left)",
+                    gib(kv)
+                )?;
+                write!(
+                    f,
+                    "  {:<34} {:>9.2} GiB of a {:.2} GiB budget",
+                    "total",
+                    gib(self.device_bytes() + kv),
+                    gib(budget)
+                )?;
+            }
+            _ => write!(f, "  {:<34} {:>9.2} GiB", "total", gib(self.device_bytes()))?,
+        }
+        if !self.host.is_empty() {
+            writeln!(f, "\nhost memory plan:")?;
+            for i in &self.host {
+                writeln!(f, "  {:<34} {:>9.2} GiB", i.what, gib(i.bytes))?;
+            }
+            write!(f, "  {:<34} {:>9.2} GiB", "total", gib(self.host_bytes()))?;
+        }
+        Ok(())
+    }
+}
+
+/// A plan that does not fit its device.
+#[derive(Clone, Debug, thiserror::Error)]
+#[error(
+    "the run does not fit the device: it needs {:.2} GiB (with the smallest useful KV cache) \
+     of a {:.2} GiB budget.\n{plan}\nto fit: {}",
+    gib(*needed),
+    gib(*budget),
+    knobs.join("; or ")
+)]
+pub struct PlanError {
+    /// Bytes the plan needs on the device.
+    pub needed: usize,
+    /// Bytes the budget allows.
+    pub budget: usize,
+    /// The plan, printed.
+    pub plan: String,
+    /// Settings that free device memory.
+    pub knobs: Vec<String>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn inputs(model: &ModelConfig, placement: OptimizerPlacement) -> PlanInputs<'_> {
+        PlanInputs {
+            model,
+            lora: None,
+            device: Device::Cuda(0),
+            placement,
+            recompute: true,
+            max_tokens_per_microbatch: 8192,
+            budget_bytes: Some(76 << 30),
+        }
+    }
+
+    #[test]
+    fn an_8b_model_fits_an_80_gb_card_only_with_the_optimizer_on_the_host() {
+        let model = ModelConfig::preset("8B").unwrap();
+        let on_device = MemoryPlan::new(&inputs(&model, OptimizerPlacement::Device));
+        let err = on_device.check().unwrap_err().to_string();
+        assert!(err.contains("engine.offload_optimizer = true"), "{err}");
+        assert!(err.contains("AdamW moments"), "the plan is printed: {err}");
+        let offloaded = MemoryPlan::new(&inputs(&model, OptimizerPlacement::Host));
+        offloaded.check().unwrap();
+        // bf16 weights and f32 gradients: 6 bytes a parameter on the device.
+        let params = model.num_parameters();
+        let weights: usize = offloaded
+            .device
+            .iter()
+            .filter(|i| i.what.starts_with("weights") || i.what.starts_with("gradients"))
+            .map(|i| i.bytes)
+            .sum();
+        assert_eq!(weights, 6 * params);
+        assert_eq!(offloaded.host_bytes(), 12 * params);
+        assert!(offloaded.kv_cache_bytes().unwrap() > 8 << 30);
+    }
+
+    #[test]
+    fn recompute_keeps_one_layer_of_activations() {
+        let model = ModelConfig::preset("1.7B").unwrap();
+        let mut with = inputs(&model, OptimizerPlacement::Device);
+        let activations = |plan: &MemoryPlan| {
+            plan.device
+                .iter()
+                .find(|i| i.what.starts_with("activations"))
+                .unwrap()
+                .bytes
+        };
+        let recomputed = activations(&MemoryPlan::new(&with));
+        with.recompute = false;
+        let stored = activations(&MemoryPlan::new(&with));
+        // Every layer's internals against one set and the layer inputs.
+        assert!(stored > 5 * recomputed, "{stored} vs {recomputed}");
+    }
+
+    #[test]
+    fn the_cpu_has_no_budget_and_no_separate_compute_copy() {
+        let model = ModelConfig::preset("0.6B").unwrap();
+        let mut cpu = inputs(&model, OptimizerPlacement::Device);
+        cpu.device = Device::Cpu;
+        cpu.budget_bytes = None;
+        let plan = MemoryPlan::new(&cpu);
+        plan.check().unwrap();
+        assert!(plan
+            .device
+            .iter()
+            .all(|i| !i.what.starts_with("weights (compute")));
+        assert_eq!(plan.kv_cache_bytes(), None);
+    }
+}
