@@ -29,6 +29,9 @@ enum Command {
     Data(cmd::data::Command),
     /// Measure training and generation throughput.
     Bench(cmd::bench::Args),
+    /// Print what a recipe's engine will hold on the GPU and in host memory, and whether
+    /// it fits (no GPU needed).
+    Plan(cmd::plan::Args),
     /// Serve the Tinker HTTP API (training and sampling) for the `tinker` SDK.
     Serve(cmd::serve::Args),
 }
@@ -49,6 +52,7 @@ fn main() -> std::process::ExitCode {
         Command::Reward(command) => cmd::reward::run(command),
         Command::Data(command) => cmd::data::run(command),
         Command::Bench(args) => cmd::bench::run(args),
+        Command::Plan(args) => cmd::plan::run(args),
         Command::Serve(args) => cmd::serve::run(args),
     };
     match result {

@@ -27,7 +27,13 @@ fn documented_layers(architecture: &str) -> BTreeMap<String, u32> {
 fn workspace_dependencies(root: &Path) -> BTreeMap<String, Vec<String>> {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let output = Command::new(cargo)
-        .args(["metadata", "--format-version", "1", "--no-deps", "--offline"])
+        .args([
+            "metadata",
+            "--format-version",
+            "1",
+            "--no-deps",
+            "--offline",
+        ])
         .current_dir(root)
         .output()
         .expect("cargo metadata runs");
@@ -78,14 +84,17 @@ fn crates_depend_only_on_lower_layers() {
         }
     }
     for name in layers.keys().filter(|name| !crates.contains_key(*name)) {
-        wrong.push(format!("docs/ARCHITECTURE.md draws {name}, which is not in the workspace"));
+        wrong.push(format!(
+            "docs/ARCHITECTURE.md draws {name}, which is not in the workspace"
+        ));
     }
     assert!(wrong.is_empty(), "layering broken:\n{}", wrong.join("\n"));
 }
 
 #[test]
 fn the_diagram_is_read_as_drawn() {
-    let layers = documented_layers(" 2  floe-model   notes\n 6  floe-trainer · x   floe-server (y)\n");
+    let layers =
+        documented_layers(" 2  floe-model   notes\n 6  floe-trainer · x   floe-server (y)\n");
     assert_eq!(layers["floe-model"], 2);
     assert_eq!((layers["floe-trainer"], layers["floe-server"]), (6, 6));
 }

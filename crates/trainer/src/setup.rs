@@ -4,11 +4,16 @@
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
-use floe_engine::{LocalEngineOptions, ModelSource};
+use floe_engine::policy::OptimizerPlacement;
+use floe_engine::{LocalEngineOptions, MemoryPlan, ModelSource, PlanInputs};
 use floe_env::dataset::Row;
 use floe_model::chat_template::ChatTemplate;
-use floe_model::embedded::{embedded_model, is_embedded, train_embedded_tokenizer};
+use floe_model::embedded::{
+    embedded_model, is_embedded, train_embedded_tokenizer, UnknownEmbeddedModel, EMBEDDED_PREFIX,
+    EMBEDDED_VOCAB_SIZE,
+};
 use floe_model::tokenizer::Tokenizer;
+use floe_model::ModelConfig;
 
 use crate::config::Config;
 use crate::data::{reference_answer, row_database};
@@ -44,6 +49,11 @@ pub fn engine_options(config: &Config) -> LocalEngineOptions {
         recompute: config.engine.recompute,
         max_tokens_per_microbatch: budget.max(longest),
         memory_fraction: config.engine.memory_fraction,
+        optimizer_placement: if config.engine.offload_optimizer {
+            OptimizerPlacement::Host
+        } else {
+            OptimizerPlacement::Device
+        },
         seed: trainer.seed,
         ..LocalEngineOptions::default()
     }
@@ -157,4 +167,32 @@ fn embedded_tokenizer(run_dir: &Path, rows: &[Row], labelled: &[bool]) -> Result
     let tokenizer = train_embedded_tokenizer(&texts)?;
     tokenizer.save_dir(&dir)?;
     Ok(tokenizer)
+}
+
+/// The memory plan of a run's local engine, from the recipe alone (no device, no
+/// weights): the shape of `model.path` (an embedded shape over the embedded vocabulary,
+/// or a folder's `config.json`) with a device budget of `engine.memory_fraction` of
+/// `device_bytes` (`None`: the CPU).
+pub fn memory_plan(config: &Config, device_bytes: Option<usize>) -> Result<MemoryPlan> {
+    let path = &config.model.path;
+    let model = match path.strip_prefix(EMBEDDED_PREFIX) {
+        Some(name) => {
+            let mut model = ModelConfig::preset(name)
+                .map_err(|_| Error::Data(UnknownEmbeddedModel(path.clone()).to_string()))?;
+            model.vocab_size = EMBEDDED_VOCAB_SIZE;
+            model
+        }
+        None => ModelConfig::from_hf_file(Path::new(path).join("config.json"))
+            .map_err(|e| Error::Data(e.to_string()))?,
+    };
+    let options = engine_options(config);
+    Ok(MemoryPlan::new(&PlanInputs {
+        model: &model,
+        lora: None,
+        device: options.device,
+        placement: options.optimizer_placement,
+        recompute: options.recompute,
+        max_tokens_per_microbatch: options.max_tokens_per_microbatch,
+        budget_bytes: device_bytes.map(|bytes| (bytes as f64 * options.memory_fraction) as usize),
+    }))
 }

@@ -105,3 +105,32 @@ fn sft_groups_sharing_a_prompt_prefix_train_like_single_examples() {
         step_b.grad_norm
     );
 }
+
+#[test]
+fn every_recipe_validates_and_the_8b_recipe_fits_an_80_gb_card_with_a_host_optimizer() {
+    let recipes = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../recipes");
+    for entry in std::fs::read_dir(&recipes).unwrap() {
+        let path = entry.unwrap().path();
+        let config = floe_trainer::Config::load(Some(&path), &[]).unwrap();
+        config
+            .validate()
+            .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    }
+    let h100 = Some(80_000_000_000);
+    let recipe = recipes.join("qwen3-8b-bird.toml");
+    let load = |overrides: &[&str]| {
+        let overrides: Vec<String> = overrides.iter().map(|o| o.to_string()).collect();
+        floe_trainer::Config::load(Some(&recipe), &overrides).unwrap()
+    };
+    let config = load(&["model.path=embedded:8B"]);
+    let plan = floe_trainer::setup::memory_plan(&config, h100).unwrap();
+    plan.check().unwrap();
+    assert!(plan.host_bytes() > 0, "{plan}");
+    let config = load(&["model.path=embedded:8B", "engine.offload_optimizer=false"]);
+    let err = floe_trainer::setup::memory_plan(&config, h100)
+        .unwrap()
+        .check()
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("set engine.offload_optimizer = true"), "{err}");
+}

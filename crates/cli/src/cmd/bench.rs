@@ -15,8 +15,9 @@ use anyhow::{bail, Context};
 use floe_backend::cpu::CpuBackend;
 use floe_backend::cuda::{CudaBackend, KernelTime};
 use floe_backend::Backend;
-use floe_engine::policy::{OptimParams, Policy};
+use floe_engine::policy::{OptimParams, OptimizerPlacement, Policy};
 use floe_engine::Device;
+use floe_engine::{MemoryPlan, PlanInputs};
 use floe_engine::{SampleRequest, Sampler, SamplerConfig, SamplingParams};
 use floe_model::batch::PackedBatch;
 use floe_model::transformer::Transformer;
@@ -88,6 +89,10 @@ pub struct Args {
     /// kernel and GEMM timed by events: prints GPU time per kernel (CUDA only).
     #[arg(long)]
     profile: bool,
+    /// Keep the f32 master weights and AdamW moments in host memory (train; see
+    /// `engine.offload_optimizer`).
+    #[arg(long)]
+    offload_optimizer: bool,
 }
 
 /// Runs `floe bench`.
@@ -178,7 +183,32 @@ fn bench<B: Backend>(
     }
     let device = backend.name();
     let params = config.num_parameters();
+    if args.mode == Mode::Train {
+        let placement = if args.offload_optimizer {
+            OptimizerPlacement::Host
+        } else {
+            OptimizerPlacement::Device
+        };
+        let plan = MemoryPlan::new(&PlanInputs {
+            model: &config,
+            lora: None,
+            device: args.device,
+            placement,
+            recompute: args.recompute,
+            max_tokens_per_microbatch: batches.iter().max().copied().unwrap_or(1) * args.seq,
+            budget_bytes: backend.memory_info().map(|(free, _)| free),
+        });
+        eprintln!("{plan}");
+        plan.check()?;
+    }
+    let loading = Instant::now();
     let model = load_model(Arc::clone(&backend), config, dir.as_ref())?;
+    backend.synchronize()?;
+    eprintln!(
+        "weights {} in {:.1}s",
+        if dir.is_some() { "loaded" } else { "made" },
+        loading.elapsed().as_secs_f64()
+    );
     let mut results = Vec::new();
     match args.mode {
         Mode::Train => {
@@ -186,6 +216,9 @@ fn bench<B: Backend>(
                 bail!("train needs --seq of at least 2 and --iters of at least 1");
             }
             let mut policy = Policy::new(model);
+            if args.offload_optimizer {
+                policy.set_optimizer_placement(OptimizerPlacement::Host)?;
+            }
             policy.set_recompute(args.recompute);
             for &batch in &batches {
                 results.push(bench_train(&mut policy, args, batch, profiler.as_deref())?);
@@ -260,23 +293,44 @@ fn bench_train<B: Backend>(
         max_grad_norm: 1.0,
     };
     let backend = Arc::clone(policy.model().backend());
-    let step = |policy: &mut Policy<B>| -> anyhow::Result<()> {
+    // Seconds of the last step's optimizer update (after a synchronize, so the backward
+    // is not counted in it).
+    let mut optim_s = 0.0;
+    let mut step = |policy: &mut Policy<B>| -> anyhow::Result<()> {
         policy.forward_backward(&packed, 1.0, &mut |_| {
             Ok((vec![-0.01 / rows as f64; rows], vec![0.0; rows]))
         })?;
+        backend.synchronize()?;
+        let start = Instant::now();
         policy.optim_step(&optim)?;
+        backend.synchronize()?;
+        optim_s = start.elapsed().as_secs_f64();
         Ok(())
     };
-    for _ in 0..args.warmup {
+    for i in 0..args.warmup {
+        let start = Instant::now();
         step(policy)?;
+        eprintln!(
+            "warmup step {} of {}: {:.2}s",
+            i + 1,
+            args.warmup,
+            start.elapsed().as_secs_f64()
+        );
     }
-    backend.synchronize()?;
     let start = Instant::now();
-    for _ in 0..args.iters {
+    for i in 0..args.iters {
         step(policy)?;
+        eprintln!(
+            "timed step {} of {}: {:.2}s so far",
+            i + 1,
+            args.iters,
+            start.elapsed().as_secs_f64()
+        );
     }
-    backend.synchronize()?;
     let step_s = start.elapsed().as_secs_f64() / args.iters as f64;
+    let in_use_gib = backend
+        .memory_info()
+        .map(|(free, total)| (total - free) as f64 / f64::from(1 << 30));
     let tok_s = (batch * args.seq) as f64 / step_s;
     let params = policy.model().config().num_parameters() as f64;
     if let Some(profiler) = profiler {
@@ -295,8 +349,11 @@ fn bench_train<B: Backend>(
         "batch": batch,
         "seq": args.seq,
         "recompute": args.recompute,
+        "offload_optimizer": args.offload_optimizer,
         "tok_s": tok_s,
         "step_s": step_s,
+        "optim_s": optim_s,
+        "device_gib_in_use": in_use_gib,
         "mfu_6n": 6.0 * params * tok_s / PEAK_FLOPS,
         "iters": args.iters,
         "warmup": args.warmup,

@@ -1,0 +1,40 @@
+//! `floe plan`: what a recipe's engine will hold on the GPU and in host memory, printed
+//! without a GPU, and whether it fits.
+
+use std::path::PathBuf;
+
+use anyhow::Context;
+use floe_engine::Device;
+use floe_trainer::config::Config;
+use floe_trainer::setup::memory_plan;
+
+/// Flags of `floe plan`.
+#[derive(clap::Args)]
+pub struct Args {
+    /// A recipe (`.toml`) followed by `key=value` overrides, as `floe train` takes them.
+    #[arg(value_name = "RECIPE.toml] [KEY=VALUE")]
+    args: Vec<String>,
+    /// Memory of the GPU to plan for, in GiB (an H100 has 80 GB, about 79.1 GiB usable;
+    /// an H200 about 139.8 GiB).
+    #[arg(long, default_value_t = 79.1)]
+    gpu_memory_gib: f64,
+}
+
+/// Runs `floe plan`: prints the plan; fails, naming the knobs, when it does not fit.
+pub fn run(args: Args) -> anyhow::Result<()> {
+    let (recipe, overrides) = match args.args.split_first() {
+        Some((first, rest)) if !first.contains('=') => (Some(PathBuf::from(first)), rest),
+        _ => (None, &args.args[..]),
+    };
+    let config = Config::load(recipe.as_deref(), overrides)?;
+    config.validate()?;
+    let device_bytes = match config.engine.device {
+        Device::Cpu => None,
+        Device::Cuda(_) => Some((args.gpu_memory_gib * f64::from(1 << 30)) as usize),
+    };
+    let plan = memory_plan(&config, device_bytes).context("planning the run's memory")?;
+    println!("{plan}");
+    plan.check()?;
+    println!("fits: yes");
+    Ok(())
+}
