@@ -9,30 +9,10 @@ use floe_engine::{AnyLocalEngine, LocalEngineOptions, ModelSource};
 use floe_engine::{Engine, Loss, SequenceGroup, TokenOutputs, TrainGroup, TrainResponse, Weights};
 use floe_engine::{SampleRequest, SamplingParams};
 use floe_model::weights::HostTensor;
-use floe_model::{Architecture, ModelConfig};
 use floe_rl::AlgorithmConfig;
 
-fn tiny_config() -> ModelConfig {
-    ModelConfig {
-        architecture: Architecture::Qwen3,
-        vocab_size: 64,
-        hidden_size: 32,
-        intermediate_size: 48,
-        num_hidden_layers: 2,
-        num_attention_heads: 4,
-        num_key_value_heads: 2,
-        head_dim: 8,
-        rms_norm_eps: 1e-6,
-        rope_theta: 10000.0,
-        rope_scaling: None,
-        max_position_embeddings: 128,
-        tie_word_embeddings: true,
-        attention_bias: false,
-        qk_norm: true,
-        bos_token_id: None,
-        eos_token_ids: vec![1],
-    }
-}
+mod support;
+use support::tiny_config;
 
 fn engine(max_tokens_per_microbatch: usize, seed: u64) -> AnyLocalEngine {
     let options = LocalEngineOptions {

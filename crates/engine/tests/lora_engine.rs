@@ -10,31 +10,11 @@ use floe_engine::{
 use floe_engine::{Engine, Loss, SequenceGroup, TrainGroup, TrainResponse, Weights};
 use floe_model::lora::LoraConfig;
 use floe_model::weights::{load_model_dir, SaveDType};
-use floe_model::{Architecture, ModelConfig};
 
 use floe_backend::cpu::CpuBackend;
 
-fn tiny_config() -> ModelConfig {
-    ModelConfig {
-        architecture: Architecture::Qwen3,
-        vocab_size: 64,
-        hidden_size: 32,
-        intermediate_size: 48,
-        num_hidden_layers: 2,
-        num_attention_heads: 4,
-        num_key_value_heads: 2,
-        head_dim: 8,
-        rms_norm_eps: 1e-6,
-        rope_theta: 10000.0,
-        rope_scaling: None,
-        max_position_embeddings: 128,
-        tie_word_embeddings: true,
-        attention_bias: false,
-        qk_norm: true,
-        bos_token_id: None,
-        eos_token_ids: vec![1],
-    }
-}
+mod support;
+use support::tiny_config;
 
 fn options() -> LocalEngineOptions {
     LocalEngineOptions {

@@ -12,29 +12,18 @@ use floe_engine::{
 };
 use floe_model::batch::PackedBatch;
 use floe_model::transformer::Transformer;
-use floe_model::{Architecture, ModelConfig};
+use floe_model::ModelConfig;
+
+mod support;
 
 const VOCAB: usize = 96;
 
 fn tiny_model() -> Transformer<CpuBackend<f64>> {
     let config = ModelConfig {
-        architecture: Architecture::Qwen3,
         vocab_size: VOCAB,
-        hidden_size: 32,
-        intermediate_size: 48,
-        num_hidden_layers: 2,
-        num_attention_heads: 4,
-        num_key_value_heads: 2,
-        head_dim: 8,
-        rms_norm_eps: 1e-6,
-        rope_theta: 10_000.0,
-        rope_scaling: None,
         max_position_embeddings: 256,
-        tie_word_embeddings: true,
-        attention_bias: false,
-        qk_norm: true,
-        bos_token_id: None,
         eos_token_ids: vec![],
+        ..support::tiny_config()
     };
     // Random weights of std 0.02 give nearly flat logits; that is fine for sampling.
     Transformer::new_random(Arc::new(CpuBackend::<f64>::new()), config, 7).unwrap()

@@ -586,6 +586,36 @@ impl ModelConfig {
         })
     }
 
+    /// The shape the model's and the engine's tests build on, small enough that a gradient
+    /// check takes f64 finite differences over every parameter: vocabulary 32, hidden 16,
+    /// MLP 24, 2 layers, 4 query and 2 key/value heads of 8 (6,000 parameters), tied
+    /// embeddings, RoPE base 1e4, 64 positions, eos id 1, no bos, RMSNorm eps 1e-6, and
+    /// `architecture`'s switches (q/k/v bias for Qwen2, q/k norms for Qwen3).
+    ///
+    /// A test that needs another size or id changes only that field:
+    /// `ModelConfig { vocab_size: 64, ..ModelConfig::test_shape(Architecture::Qwen3) }`.
+    pub fn test_shape(architecture: Architecture) -> Self {
+        ModelConfig {
+            architecture,
+            vocab_size: 32,
+            hidden_size: 16,
+            intermediate_size: 24,
+            num_hidden_layers: 2,
+            num_attention_heads: 4,
+            num_key_value_heads: 2,
+            head_dim: 8,
+            rms_norm_eps: 1e-6,
+            rope_theta: 1e4,
+            rope_scaling: None,
+            max_position_embeddings: 64,
+            tie_word_embeddings: true,
+            attention_bias: architecture == Architecture::Qwen2,
+            qk_norm: architecture == Architecture::Qwen3,
+            bos_token_id: None,
+            eos_token_ids: vec![1],
+        }
+    }
+
     /// Number of scalar parameters (every tensor of [`crate::weights::tensor_specs`]).
     pub fn num_parameters(&self) -> usize {
         crate::weights::tensor_specs(self)

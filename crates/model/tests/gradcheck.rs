@@ -17,28 +17,6 @@ use support::Rng;
 
 type B = CpuBackend<f64>;
 
-fn tiny(architecture: Architecture) -> ModelConfig {
-    ModelConfig {
-        architecture,
-        vocab_size: 32,
-        hidden_size: 16,
-        intermediate_size: 24,
-        num_hidden_layers: 2,
-        num_attention_heads: 4,
-        num_key_value_heads: 2,
-        head_dim: 8,
-        rms_norm_eps: 1e-6,
-        rope_theta: 10000.0,
-        rope_scaling: None,
-        max_position_embeddings: 64,
-        tie_word_embeddings: true,
-        attention_bias: architecture == Architecture::Qwen2,
-        qk_norm: architecture == Architecture::Qwen3,
-        bos_token_id: None,
-        eos_token_ids: vec![1],
-    }
-}
-
 /// Random weights large enough that attention and softmax are far from uniform, with
 /// norms near (not at) 1 so their gradients are exercised too.
 fn random_weights(config: &ModelConfig, seed: u64) -> BTreeMap<String, HostTensor> {
@@ -187,19 +165,19 @@ fn gradcheck(config: &ModelConfig, seed: u64, per_tensor: usize) {
 
 #[test]
 fn qwen3_tied_gradients_match_finite_differences() {
-    gradcheck(&tiny(Architecture::Qwen3), 11, 12);
+    gradcheck(&ModelConfig::test_shape(Architecture::Qwen3), 11, 12);
 }
 
 #[test]
 fn qwen2_untied_gradients_match_finite_differences() {
-    let mut config = tiny(Architecture::Qwen2);
+    let mut config = ModelConfig::test_shape(Architecture::Qwen2);
     config.tie_word_embeddings = false;
     gradcheck(&config, 12, 12);
 }
 
 #[test]
 fn llama_scaled_rope_gradients_match_finite_differences() {
-    let mut config = tiny(Architecture::Llama);
+    let mut config = ModelConfig::test_shape(Architecture::Llama);
     config.rope_scaling = Some(Llama3RopeScaling {
         factor: 8.0,
         low_freq_factor: 1.0,
@@ -232,7 +210,7 @@ fn assert_grads_close(
 
 #[test]
 fn prompt_sharing_equals_unshared_packing() {
-    let config = tiny(Architecture::Qwen3);
+    let config = ModelConfig::test_shape(Architecture::Qwen3);
     let mut rng = Rng(21);
     let prompt = rng.tokens(5, 32);
     let responses = [rng.tokens(4, 32), rng.tokens(2, 32), rng.tokens(3, 32)];
@@ -285,7 +263,7 @@ fn prompt_sharing_equals_unshared_packing() {
 
 #[test]
 fn recompute_changes_memory_not_gradients() {
-    let config = tiny(Architecture::Qwen3);
+    let config = ModelConfig::test_shape(Architecture::Qwen3);
     let mut rng = Rng(31);
     let batch = mixed_batch(&mut rng, 32);
     let a: Vec<f64> = (0..batch.len()).map(|_| rng.uniform()).collect();
@@ -305,7 +283,7 @@ fn recompute_changes_memory_not_gradients() {
 
 #[test]
 fn micro_batches_accumulate_the_full_batch_gradient() {
-    let config = tiny(Architecture::Qwen2);
+    let config = ModelConfig::test_shape(Architecture::Qwen2);
     let mut rng = Rng(41);
     let seqs: Vec<Vec<u32>> = [5, 3, 7, 4].iter().map(|&n| rng.tokens(n, 32)).collect();
     let full = PackedBatch::from_sequences(&seqs).unwrap();
@@ -339,7 +317,7 @@ fn micro_batches_accumulate_the_full_batch_gradient() {
 
 #[test]
 fn host_weights_round_trip_and_errors_name_the_tensor() {
-    let config = tiny(Architecture::Qwen3);
+    let config = ModelConfig::test_shape(Architecture::Qwen3);
     let weights = random_weights(&config, 9);
     let m = Transformer::from_host_weights(Arc::new(B::new()), config.clone(), &weights).unwrap();
     assert_eq!(m.to_host_weights().unwrap(), weights);
@@ -365,7 +343,7 @@ fn host_weights_round_trip_and_errors_name_the_tensor() {
 
 #[test]
 fn bad_batches_and_loss_gradients_are_errors() {
-    let config = tiny(Architecture::Llama);
+    let config = ModelConfig::test_shape(Architecture::Llama);
     let mut m = Transformer::new_random(Arc::new(B::new()), config, 1).unwrap();
     let batch = PackedBatch::from_sequences(&[vec![1, 2, 40]]).unwrap();
     let err = m.forward(&batch, 1.0).unwrap_err();
@@ -383,7 +361,7 @@ fn bad_batches_and_loss_gradients_are_errors() {
 
 #[test]
 fn scoring_forward_matches_training_forward_for_any_lm_head_chunking() {
-    let config = tiny(Architecture::Qwen3);
+    let config = ModelConfig::test_shape(Architecture::Qwen3);
     let mut rng = Rng(51);
     let batch = mixed_batch(&mut rng, 32);
     let mut m = model(&config, 6);

@@ -22,23 +22,8 @@ type B = CpuBackend<f64>;
 
 fn tiny(architecture: Architecture, tied: bool) -> ModelConfig {
     ModelConfig {
-        architecture,
-        vocab_size: 32,
-        hidden_size: 16,
-        intermediate_size: 24,
-        num_hidden_layers: 2,
-        num_attention_heads: 4,
-        num_key_value_heads: 2,
-        head_dim: 8,
-        rms_norm_eps: 1e-6,
-        rope_theta: 10000.0,
-        rope_scaling: None,
-        max_position_embeddings: 64,
         tie_word_embeddings: tied,
-        attention_bias: architecture == Architecture::Qwen2,
-        qk_norm: architecture == Architecture::Qwen3,
-        bos_token_id: None,
-        eos_token_ids: vec![1],
+        ..ModelConfig::test_shape(architecture)
     }
 }
 

@@ -18,21 +18,20 @@ fn fixture(name: &str) -> PathBuf {
         .join(name)
 }
 
-/// A small untied Qwen2 shape (bias on), so every optional tensor is present.
+/// The test shape of `arch` (Qwen2's biases, Qwen3's norms: every optional tensor across
+/// the families), tied or not, with a real model's RoPE base, context and special ids
+/// (preset `small`'s) for the config files to carry.
 fn small_config(arch: Architecture, tie: bool) -> ModelConfig {
-    let mut c = ModelConfig::preset("small").unwrap();
-    c.architecture = arch;
-    c.vocab_size = 40;
-    c.hidden_size = 16;
-    c.intermediate_size = 24;
-    c.num_hidden_layers = 2;
-    c.num_attention_heads = 4;
-    c.num_key_value_heads = 2;
-    c.head_dim = 8;
-    c.tie_word_embeddings = tie;
-    c.attention_bias = arch == Architecture::Qwen2;
-    c.qk_norm = arch == Architecture::Qwen3;
-    c
+    let real = ModelConfig::preset("small").unwrap();
+    ModelConfig {
+        vocab_size: 40,
+        tie_word_embeddings: tie,
+        rope_theta: real.rope_theta,
+        max_position_embeddings: real.max_position_embeddings,
+        bos_token_id: real.bos_token_id,
+        eos_token_ids: real.eos_token_ids,
+        ..ModelConfig::test_shape(arch)
+    }
 }
 
 /// Weights with distinct, deterministic values (exactly representable in bf16).
@@ -117,6 +116,9 @@ fn presets_have_the_public_shapes() {
         (128, 32, 1024)
     );
     assert_eq!((small.hidden_size, small.head_dim), (256, 64));
+    // The tests' shape: 512 embedding + 2 layers of 2,736 + the final norm's 16.
+    let test = ModelConfig::test_shape(Architecture::Qwen3);
+    assert_eq!(test.num_parameters(), 6_000);
     let err = ModelConfig::preset("3B").unwrap_err();
     assert!(err.to_string().contains("3B"), "{err}");
 }
