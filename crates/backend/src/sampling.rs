@@ -27,10 +27,16 @@
 use crate::{Sampled, SamplingRow};
 
 /// The splitmix64 increment, `⌊2⁶⁴ / φ⌋`.
-const GAMMA: u64 = 0x9E37_79B9_7F4A_7C15;
+pub const GAMMA: u64 = 0x9E37_79B9_7F4A_7C15;
 
 /// The splitmix64 finaliser (Stafford's variant 13): a bijection of `u64` whose output
 /// bits each depend on every input bit.
+///
+/// floe's one copy of splitmix64's arithmetic: the stateless uses (this sampling rule,
+/// the engine's per-sample seeds, the trainer's derived seeds) call it, and the seeded
+/// generators (random weights, datasets, test data) use `rand_xoshiro::SplitMix64`,
+/// whose `k`-th output from state `s` is `mix64(s + k · GAMMA)` (checked in
+/// `tests/sampling.rs`).
 #[inline]
 pub fn mix64(mut z: u64) -> u64 {
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);

@@ -5,20 +5,21 @@ use floe_backend::cpu::CpuBackend;
 use floe_backend::{
     AdamW, AttnShape, Backend, BufKind, Error, LmHead, Matmul, PagedLayout, Segment,
 };
+use rand_xoshiro::rand_core::{RngCore, SeedableRng};
+use rand_xoshiro::SplitMix64;
 
 type B = CpuBackend<f64>;
 type Buf = <B as Backend>::Buf;
 
-/// splitmix64: a tiny seeded generator for test data.
-struct Rng(u64);
+/// Test data from splitmix64 seeded with a test's number.
+struct Rng(SplitMix64);
 
 impl Rng {
+    fn new(seed: u64) -> Self {
+        Self(SplitMix64::seed_from_u64(seed))
+    }
     fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
+        self.0.next_u64()
     }
     /// Uniform in [-1, 1).
     fn uniform(&mut self) -> f64 {
@@ -105,7 +106,7 @@ fn naive_matmul(a: &[f64], b: &[f64], d: Matmul) -> Vec<f64> {
 #[test]
 fn matmul_matches_naive_for_every_transpose_and_accumulates() {
     let b = B::new();
-    let mut rng = Rng(1);
+    let mut rng = Rng::new(1);
     for (m, n, k) in [(3, 5, 4), (70, 65, 80)] {
         for trans_a in [false, true] {
             for trans_b in [false, true] {
@@ -134,7 +135,7 @@ fn matmul_matches_naive_for_every_transpose_and_accumulates() {
 #[test]
 fn bias_embedding_and_gather() {
     let b = B::new();
-    let mut rng = Rng(2);
+    let mut rng = Rng::new(2);
     let (rows, cols) = (5, 3);
     let (y0, bias) = (rng.vec(rows * cols), rng.vec(cols));
     let mut y = up(&b, &y0);
@@ -223,7 +224,7 @@ fn elementwise_and_reductions() {
 #[test]
 fn rmsnorm_forward_and_backward() {
     let b = B::new();
-    let mut rng = Rng(3);
+    let mut rng = Rng::new(3);
     let (rows, dim, eps) = (4, 6, 1e-5_f32);
     let (x, w, r) = (rng.vec(rows * dim), rng.vec(dim), rng.vec(rows * dim));
     let forward = |x: &[f64], w: &[f64]| -> (Vec<f64>, Vec<f64>) {
@@ -269,7 +270,7 @@ fn rmsnorm_forward_and_backward() {
 #[test]
 fn rope_rotates_half_pairs_and_inverse_is_its_backward() {
     let b = B::new();
-    let mut rng = Rng(4);
+    let mut rng = Rng::new(4);
     let (tokens, heads, hd) = (3, 2, 4);
     let positions = [0u32, 5, 17];
     let inv_freq = [1.0, 0.01];
@@ -310,7 +311,7 @@ fn rope_rotates_half_pairs_and_inverse_is_its_backward() {
 #[test]
 fn swiglu_forward_and_backward() {
     let b = B::new();
-    let mut rng = Rng(5);
+    let mut rng = Rng::new(5);
     let n = 10;
     let (g, u, r) = (rng.vec(n), rng.vec(n), rng.vec(n));
     let forward = |g: &[f64], u: &[f64]| {
@@ -401,7 +402,7 @@ fn attention_layout() -> (usize, Vec<Segment>, Vec<Vec<usize>>) {
 #[test]
 fn attention_matches_naive_and_finite_differences() {
     let b = B::new();
-    let mut rng = Rng(6);
+    let mut rng = Rng::new(6);
     let (tokens, segments, visible) = attention_layout();
     let (hq, hkv, d) = (4, 2, 3);
     let shape = AttnShape {
@@ -460,7 +461,7 @@ fn attention_matches_naive_and_finite_differences() {
 #[test]
 fn paged_attention_equals_packed_attention() {
     let b = B::new();
-    let mut rng = Rng(7);
+    let mut rng = Rng::new(7);
     let (hq, hkv, d, block_size) = (4, 2, 3, 2);
     // Two sequences share a 4-token prompt (blocks 5 and 1); their continuations live in
     // their own blocks, scattered through a cache of 8 blocks.
@@ -569,7 +570,7 @@ fn paged_attention_equals_packed_attention() {
 #[test]
 fn lm_head_matches_naive_and_finite_differences() {
     let b = B::new();
-    let mut rng = Rng(8);
+    let mut rng = Rng::new(8);
     let (tokens, dim, vocab) = (5, 4, 7);
     let spec = LmHead {
         tokens,
@@ -784,7 +785,7 @@ fn sample_draws_each_row_with_the_reference_sampler() {
     use floe_backend::sampling::sample_row;
     use floe_backend::SamplingRow;
     let b = B::new();
-    let mut rng = Rng(9);
+    let mut rng = Rng::new(9);
     let vocab = 11;
     let logits = rng.vec(3 * vocab);
     let rows: Vec<SamplingRow> = (0..3)
@@ -811,7 +812,7 @@ fn sample_draws_each_row_with_the_reference_sampler() {
 #[test]
 fn f32_backend_agrees_with_f64() {
     let (b32, b64) = (CpuBackend::<f32>::new(), B::new());
-    let mut rng = Rng(10);
+    let mut rng = Rng::new(10);
     let (tokens, dim, vocab) = (9, 24, 300);
     let spec = LmHead {
         tokens,

@@ -13,6 +13,7 @@ use std::time::Instant;
 
 use floe_backend::cpu::CpuBackend;
 use floe_backend::cuda::CudaBackend;
+use floe_backend::sampling::GAMMA;
 use floe_backend::{
     AdamW, AttnShape, Backend, BufKind, LmHead, Matmul, PagedLayout, SamplingRow, Segment,
 };
@@ -32,7 +33,7 @@ struct Rng(u64);
 
 impl Rng {
     fn new(seed: u64) -> Self {
-        Self(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+        Self(seed.wrapping_mul(GAMMA) | 1)
     }
     fn next(&mut self) -> u64 {
         self.0 ^= self.0 >> 12;

@@ -1,8 +1,10 @@
 //! The reference sampler: determinism, greedy limits, exact truncation supports and
 //! empirical frequencies, log-probabilities.
 
-use floe_backend::sampling::{mix64, sample_row, uniform};
+use floe_backend::sampling::{mix64, sample_row, uniform, GAMMA};
 use floe_backend::SamplingRow;
+use rand_xoshiro::rand_core::{RngCore, SeedableRng};
+use rand_xoshiro::SplitMix64;
 
 fn row(
     temperature: f32,
@@ -87,6 +89,7 @@ fn uniform_follows_the_documented_formula_and_is_uniform() {
     }
     // splitmix64's known first output from state 0 is 0xE220A8397B1DCDAF.
     assert_eq!(mix64(gamma), 0xE220_A839_7B1D_CDAF);
+    assert_eq!(GAMMA, gamma);
     let draws: Vec<f64> = (0..100_000).map(|o| uniform(3, o)).collect();
     assert!(draws.iter().all(|&u| (0.0..1.0).contains(&u)));
     let mean = draws.iter().sum::<f64>() / draws.len() as f64;
@@ -96,6 +99,30 @@ fn uniform_follows_the_documented_formula_and_is_uniform() {
     // Neighbouring seeds give unrelated streams.
     assert_ne!(uniform(1, 0), uniform(2, 0));
     assert_ne!(uniform(1, 1), uniform(2, 0));
+}
+
+#[test]
+fn the_seeded_generator_is_mix64_of_its_state() {
+    // rand_xoshiro's SplitMix64, the generator of random weights, datasets and test data,
+    // and `mix64` are one splitmix64: the k-th output from state s is mix64(s + k·GAMMA).
+    for state in [0u64, 1, 42, 0xDEAD_BEEF, u64::MAX] {
+        let mut rng = SplitMix64::seed_from_u64(state);
+        for k in 1..=64u64 {
+            let expected = mix64(state.wrapping_add(k.wrapping_mul(GAMMA)));
+            assert_eq!(rng.next_u64(), expected, "state {state:#x}, output {k}");
+        }
+    }
+    // Vigna's splitmix64.c from state 0.
+    let mut rng = SplitMix64::seed_from_u64(0);
+    let first: Vec<u64> = (0..3).map(|_| rng.next_u64()).collect();
+    assert_eq!(
+        first,
+        [
+            0xE220_A839_7B1D_CDAF,
+            0x6E78_9E6A_A1B9_65F4,
+            0x06C4_5D18_8009_454F
+        ]
+    );
 }
 
 #[test]

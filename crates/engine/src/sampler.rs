@@ -36,6 +36,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
+use floe_backend::sampling::{mix64, GAMMA};
 use floe_backend::{Backend, SamplingRow};
 pub use floe_model::decode::CachedInput;
 use floe_model::decode::KvCache;
@@ -1102,10 +1103,7 @@ pub fn sample_seed(seed: u64, index: usize) -> u64 {
     splitmix64(seed ^ splitmix64(index as u64 ^ 0x5bd1_e995))
 }
 
-/// SplitMix64's finalizer: a bijective mix of 64 bits.
+/// SplitMix64's first output from state `x`: a bijective mix of 64 bits.
 fn splitmix64(x: u64) -> u64 {
-    let mut z = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
+    mix64(x.wrapping_add(GAMMA))
 }

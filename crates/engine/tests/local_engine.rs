@@ -4,6 +4,7 @@
 
 use std::collections::BTreeMap;
 
+use floe_backend::sampling::GAMMA;
 use floe_engine::policy::OptimParams;
 use floe_engine::{AnyLocalEngine, LocalEngineOptions, ModelSource};
 use floe_engine::{Engine, Loss, SequenceGroup, TokenOutputs, TrainGroup, TrainResponse, Weights};
@@ -45,7 +46,7 @@ const OPTIM: OptimParams = OptimParams {
 
 /// Deterministic pseudo-random tokens in `2..vocab`.
 fn tokens(seed: u64, len: usize) -> Vec<u32> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut x = seed.wrapping_mul(GAMMA) | 1;
     (0..len)
         .map(|_| {
             x ^= x << 13;

@@ -6,6 +6,7 @@
 use std::cell::Cell;
 
 use floe_backend::cpu::CpuBackend;
+use floe_backend::sampling::mix64;
 use floe_backend::{Backend, BufKind, SamplingRow};
 use floe_engine::{
     sample_seed, CachedInput, CachedModel, Generation, SampleError, SampleRequest, Sampler,
@@ -36,16 +37,12 @@ struct SlotCache {
 fn context_logits(context: &[u32]) -> Vec<f32> {
     let hash = context
         .iter()
-        .fold(0xcbf2_9ce4_8422_2325u64, |h, &t| mix(h ^ u64::from(t)));
+        .fold(0xcbf2_9ce4_8422_2325u64, |h, &t| mix64(h ^ u64::from(t)));
     (0..VOCAB as u64)
-        .map(|v| 4.0 * (mix(hash ^ v.wrapping_mul(0x9e37_79b9)) >> 40) as f32 / (1u64 << 24) as f32)
+        .map(|v| {
+            4.0 * (mix64(hash ^ v.wrapping_mul(0x9e37_79b9)) >> 40) as f32 / (1u64 << 24) as f32
+        })
         .collect()
-}
-
-fn mix(mut z: u64) -> u64 {
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
 }
 
 #[derive(Default)]

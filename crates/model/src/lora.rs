@@ -446,7 +446,7 @@ impl<B: Backend> Transformer<B> {
     /// adapters; gradients of the base are neither computed nor stored.
     pub fn with_lora(self, config: LoraConfig) -> Result<Self> {
         config.validate()?;
-        let mut rng = SplitMix(config.seed);
+        let mut rng = SplitMix::new(config.seed);
         let b = &*self.backend;
         let params = AdapterSet::build(&self.config, &config, |name, shape| {
             let n: usize = shape.iter().product();

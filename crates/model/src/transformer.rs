@@ -32,7 +32,10 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
+use floe_backend::sampling::GAMMA;
 use floe_backend::{AttnShape, Backend, BufKind, LmHead, Matmul, PagedLayout, Segment};
+use rand_xoshiro::rand_core::{RngCore, SeedableRng};
+use rand_xoshiro::SplitMix64;
 use rayon::prelude::*;
 
 use crate::batch::{BatchError, PackedBatch, TokenStats};
@@ -505,31 +508,26 @@ pub fn rope_inv_freq(config: &ModelConfig) -> Vec<f32> {
     inv
 }
 
-/// The increment of splitmix64's state.
-const SPLITMIX_GAMMA: u64 = 0x9E37_79B9_7F4A_7C15;
-
-/// splitmix64, the seeded generator of [`Transformer::new_random`].
-pub(crate) struct SplitMix(pub(crate) u64);
+/// splitmix64 (`rand_xoshiro`'s), the seeded generator of [`Transformer::new_random`]
+/// and of fresh LoRA adapters.
+pub(crate) struct SplitMix(SplitMix64);
 
 impl SplitMix {
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(SPLITMIX_GAMMA);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
+    /// The generator whose state is `state` (its first output is `mix64(state + γ)`).
+    pub(crate) fn new(state: u64) -> Self {
+        Self(SplitMix64::seed_from_u64(state))
     }
 
     /// Uniform in (0, 1].
     pub(crate) fn unit(&mut self) -> f64 {
-        ((self.next_u64() >> 11) + 1) as f64 / (1u64 << 53) as f64
+        ((self.0.next_u64() >> 11) + 1) as f64 / (1u64 << 53) as f64
     }
 
     /// The `index`-th standard normal (Box–Muller, two draws each) of the stream seeded
     /// with `seed`, without drawing the ones before it: the generator's state after `k`
     /// draws is `seed + k · γ`.
     fn normal_at(seed: u64, index: u64) -> f64 {
-        let mut rng = SplitMix(seed.wrapping_add((2 * index).wrapping_mul(SPLITMIX_GAMMA)));
+        let mut rng = SplitMix::new(seed.wrapping_add((2 * index).wrapping_mul(GAMMA)));
         let (u, v) = (rng.unit(), rng.unit());
         (-2.0 * u.ln()).sqrt() * (2.0 * std::f64::consts::PI * v).cos()
     }
@@ -1551,7 +1549,7 @@ mod tests {
     #[test]
     fn a_normal_drawn_by_index_is_the_streams_normal() {
         let seed = 42;
-        let mut rng = SplitMix(seed);
+        let mut rng = SplitMix::new(seed);
         for index in 0..1000 {
             let (u, v) = (rng.unit(), rng.unit());
             let sequential = (-2.0 * u.ln()).sqrt() * (2.0 * std::f64::consts::PI * v).cos();

@@ -26,7 +26,7 @@ fn config(architecture: Architecture) -> ModelConfig {
 }
 
 fn model(config: &ModelConfig, seed: u64) -> Transformer<B> {
-    let mut rng = Rng(seed);
+    let mut rng = Rng::new(seed);
     let weights: BTreeMap<String, HostTensor> = tensor_specs(config)
         .into_iter()
         .map(|(name, shape)| {
@@ -94,7 +94,7 @@ fn log_softmax(z: &[f64]) -> Vec<f64> {
 fn cached_decode_matches_forward(architecture: Architecture) {
     let config = config(architecture);
     let m = model(&config, 7);
-    let mut rng = Rng(99);
+    let mut rng = Rng::new(99);
     let prompt = rng.tokens(2 * BLOCK, 32);
     let with_prompt = |rest: Vec<u32>| prompt.iter().copied().chain(rest).collect::<Vec<u32>>();
     // A and B share the prompt's two blocks (3 and 7); C is unrelated.

@@ -20,7 +20,7 @@ type B = CpuBackend<f64>;
 /// Random weights large enough that attention and softmax are far from uniform, with
 /// norms near (not at) 1 so their gradients are exercised too.
 fn random_weights(config: &ModelConfig, seed: u64) -> BTreeMap<String, HostTensor> {
-    let mut rng = Rng(seed);
+    let mut rng = Rng::new(seed);
     tensor_specs(config)
         .into_iter()
         .map(|(name, shape)| {
@@ -124,7 +124,7 @@ fn get_entry(m: &mut Transformer<B>, name: &str, i: usize) -> f64 {
 /// Checks up to `per_tensor` random entries of every parameter against central finite
 /// differences of the loss.
 fn gradcheck(config: &ModelConfig, seed: u64, per_tensor: usize) {
-    let mut rng = Rng(seed);
+    let mut rng = Rng::new(seed);
     let mut m = model(config, seed);
     let batch = mixed_batch(&mut rng, config.vocab_size);
     let t = batch.len();
@@ -211,7 +211,7 @@ fn assert_grads_close(
 #[test]
 fn prompt_sharing_equals_unshared_packing() {
     let config = ModelConfig::test_shape(Architecture::Qwen3);
-    let mut rng = Rng(21);
+    let mut rng = Rng::new(21);
     let prompt = rng.tokens(5, 32);
     let responses = [rng.tokens(4, 32), rng.tokens(2, 32), rng.tokens(3, 32)];
     let mut shared = PackedBatch::default();
@@ -228,7 +228,7 @@ fn prompt_sharing_equals_unshared_packing() {
     let weights = |batch: &PackedBatch, rows: &[std::ops::Range<usize>], seed: u64| {
         let mut a = vec![0.0; batch.len()];
         let mut c = vec![0.0; batch.len()];
-        let mut r = Rng(seed);
+        let mut r = Rng::new(seed);
         for t in rows.iter().flat_map(|range| range.clone()) {
             a[t] = r.uniform();
             c[t] = r.uniform();
@@ -264,7 +264,7 @@ fn prompt_sharing_equals_unshared_packing() {
 #[test]
 fn recompute_changes_memory_not_gradients() {
     let config = ModelConfig::test_shape(Architecture::Qwen3);
-    let mut rng = Rng(31);
+    let mut rng = Rng::new(31);
     let batch = mixed_batch(&mut rng, 32);
     let a: Vec<f64> = (0..batch.len()).map(|_| rng.uniform()).collect();
     let c: Vec<f64> = (0..batch.len()).map(|_| rng.uniform()).collect();
@@ -284,7 +284,7 @@ fn recompute_changes_memory_not_gradients() {
 #[test]
 fn micro_batches_accumulate_the_full_batch_gradient() {
     let config = ModelConfig::test_shape(Architecture::Qwen2);
-    let mut rng = Rng(41);
+    let mut rng = Rng::new(41);
     let seqs: Vec<Vec<u32>> = [5, 3, 7, 4].iter().map(|&n| rng.tokens(n, 32)).collect();
     let full = PackedBatch::from_sequences(&seqs).unwrap();
     let first = PackedBatch::from_sequences(&seqs[..2]).unwrap();
@@ -362,7 +362,7 @@ fn bad_batches_and_loss_gradients_are_errors() {
 #[test]
 fn scoring_forward_matches_training_forward_for_any_lm_head_chunking() {
     let config = ModelConfig::test_shape(Architecture::Qwen3);
-    let mut rng = Rng(51);
+    let mut rng = Rng::new(51);
     let batch = mixed_batch(&mut rng, 32);
     let mut m = model(&config, 6);
     let scored = m.forward(&batch, 0.9).unwrap();

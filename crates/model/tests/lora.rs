@@ -50,14 +50,14 @@ fn random_tensors(specs: Vec<(String, Vec<usize>)>, rng: &mut Rng) -> BTreeMap<S
 }
 
 fn base(config: &ModelConfig, seed: u64) -> Transformer<B> {
-    let weights = random_tensors(tensor_specs(config), &mut Rng(seed));
+    let weights = random_tensors(tensor_specs(config), &mut Rng::new(seed));
     Transformer::from_host_weights(Arc::new(B::new()), config.clone(), &weights).unwrap()
 }
 
 /// A LoRA model whose A and B are both random (a fresh B is zero, which would hide the
 /// gradient of A).
 fn trained_lora(config: &ModelConfig, lora: &LoraConfig, seed: u64) -> Transformer<B> {
-    let adapters = random_tensors(adapter_specs(config, lora), &mut Rng(seed + 100));
+    let adapters = random_tensors(adapter_specs(config, lora), &mut Rng::new(seed + 100));
     base(config, seed)
         .with_lora_weights(lora.clone(), &adapters)
         .unwrap()
@@ -100,7 +100,7 @@ fn nudge(m: &mut Transformer<B>, name: &str, i: usize, delta: f64) {
 /// Checks up to `per_tensor` entries of every adapter tensor against central finite
 /// differences, and that the base's weights are neither trained nor changed.
 fn gradcheck(config: &ModelConfig, lora: &LoraConfig, seed: u64, per_tensor: usize) {
-    let mut rng = Rng(seed);
+    let mut rng = Rng::new(seed);
     let mut m = trained_lora(config, lora, seed);
     let base_before = m.to_host_weights().unwrap();
     let batch = mixed_batch(&mut rng, config.vocab_size);
@@ -197,7 +197,7 @@ fn attention_only_adapters_leave_the_mlp_and_head_alone() {
 #[test]
 fn a_fresh_adapter_equals_its_base_exactly() {
     let config = tiny(Architecture::Qwen3, true);
-    let batch = mixed_batch(&mut Rng(1), config.vocab_size);
+    let batch = mixed_batch(&mut Rng::new(1), config.vocab_size);
     let want = base(&config, 5).forward(&batch, 1.0).unwrap();
     let fresh = base(&config, 5).with_lora(LoraConfig::new(4)).unwrap();
     assert_eq!(fresh.forward(&batch, 1.0).unwrap(), want);
@@ -229,7 +229,7 @@ fn cached_decoding_with_adapters_matches_the_training_forward() {
     for tied in [true, false] {
         let config = tiny(Architecture::Qwen3, tied);
         let m = trained_lora(&config, &LoraConfig::new(3), 7);
-        let tokens = Rng(9).tokens(7, config.vocab_size);
+        let tokens = Rng::new(9).tokens(7, config.vocab_size);
         let batch = PackedBatch::from_sequences(std::slice::from_ref(&tokens)).unwrap();
         let stats = m.forward(&batch, 1.0).unwrap();
         // The whole sequence in one cached call, logits of every row.
@@ -263,7 +263,7 @@ fn cached_decoding_with_adapters_matches_the_training_forward() {
 fn merged_weights_compute_what_the_adapters_compute() {
     let config = tiny(Architecture::Qwen3, true);
     let m = trained_lora(&config, &LoraConfig::new(3), 8);
-    let batch = mixed_batch(&mut Rng(2), config.vocab_size);
+    let batch = mixed_batch(&mut Rng::new(2), config.vocab_size);
     let want = m.forward(&batch, 1.0).unwrap();
     let (merged_config, merged) = m.merged_host_weights().unwrap();
     assert!(
@@ -302,7 +302,7 @@ fn two_adapter_sets_share_one_base_and_train_apart() {
         })
         .unwrap();
     assert!(owner.base_is_shared() && first.base_is_shared());
-    let batch = mixed_batch(&mut Rng(3), config.vocab_size);
+    let batch = mixed_batch(&mut Rng::new(3), config.vocab_size);
     let before = second.forward(&batch, 1.0).unwrap();
     // A plain gradient step on the first model's adapters.
     let rows = batch.len();

@@ -11,6 +11,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Instant;
 
+use floe_backend::sampling::{mix64, GAMMA};
 use floe_engine::{Generation, SampleRequest, SamplingParams as EngineSamplingParams};
 use floe_env::env::{Env, EnvError, Message, Registry, StepOutput};
 use floe_env::scoring::Scorer;
@@ -31,12 +32,9 @@ const BASE_CONVERSATION: [(&str, &str); 2] = [
 /// A seed from several parts (run seed, step, prompt, …): SplitMix64's finaliser folded
 /// over the parts, so nearby inputs give unrelated seeds.
 pub fn derive_seed(parts: &[u64]) -> u64 {
-    parts.iter().fold(0x9E37_79B9_7F4A_7C15, |acc, &part| {
-        let mut z = acc ^ part.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    })
+    parts
+        .iter()
+        .fold(GAMMA, |acc, &part| mix64(acc ^ part.wrapping_add(GAMMA)))
 }
 
 /// The engine's sampling parameters for a config section: stop at the tokenizer's

@@ -14,6 +14,7 @@ use std::time::Instant;
 use anyhow::{bail, Context};
 use floe_backend::cpu::CpuBackend;
 use floe_backend::cuda::{CudaBackend, KernelTime};
+use floe_backend::sampling::GAMMA;
 use floe_backend::Backend;
 use floe_engine::policy::{OptimParams, OptimizerPlacement, Policy};
 use floe_engine::Device;
@@ -261,7 +262,7 @@ fn bench<B: Backend>(
 /// `vocab − 100` too).
 fn random_tokens(count: usize, vocab: usize, seed: u64) -> Vec<u32> {
     let range = vocab.saturating_sub(101).max(1) as u64;
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut x = seed.wrapping_mul(GAMMA) | 1;
     (0..count)
         .map(|_| {
             x ^= x << 13;

@@ -1,16 +1,19 @@
 //! Test data shared by the model's integration tests.
 
-/// splitmix64: deterministic test data without a dependency.
-pub struct Rng(pub u64);
+use rand_xoshiro::rand_core::{RngCore, SeedableRng};
+use rand_xoshiro::SplitMix64;
+
+/// Deterministic test data: splitmix64 seeded with `seed`.
+pub struct Rng(SplitMix64);
 
 #[allow(dead_code)] // each test binary uses a different subset
 impl Rng {
+    pub fn new(seed: u64) -> Self {
+        Self(SplitMix64::seed_from_u64(seed))
+    }
+
     pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
+        self.0.next_u64()
     }
 
     /// Uniform in [-1, 1).
