@@ -646,7 +646,7 @@ impl<B: Backend> Engine for LocalEngine<B> {
     }
 
     fn optim_step(&mut self, params: &OptimParams) -> Result<StepOutcome> {
-        Ok(self.policy.optim_step(params)?)
+        self.policy.optim_step(params)
     }
 
     /// A no-op that reports its own duration: the sampler runs the policy's own weight
