@@ -20,10 +20,10 @@ pub enum Error {
     Config(#[from] crate::config::ConfigError),
     /// Metrics could not be written.
     #[error(transparent)]
-    Metrics(#[from] crate::metrics::MetricsError),
+    Metrics(#[from] crate::outputs::metrics::MetricsError),
     /// The report could not be written.
     #[error(transparent)]
-    Report(#[from] crate::report::ReportError),
+    Report(#[from] crate::outputs::report::ReportError),
     /// A dataset could not be read or written.
     #[error(transparent)]
     Dataset(#[from] floe_env::dataset::DatasetError),

@@ -7,14 +7,13 @@ pub mod config;
 pub mod data;
 pub mod error;
 pub mod eval;
-pub mod metrics;
+pub mod eval_checkpoint;
+pub mod outputs;
 pub mod remote;
-pub mod report;
 pub mod rollout;
 pub mod run;
 pub mod setup;
 pub mod sft;
-pub mod tensorboard;
 
 pub use config::Config;
-pub use metrics::MetricsSink;
+pub use outputs::metrics::MetricsSink;

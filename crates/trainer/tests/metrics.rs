@@ -4,8 +4,8 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use floe_trainer::config::Logger;
-use floe_trainer::metrics::{read_metrics, MetricsSink, METRICS_FILE, TENSORBOARD_DIR};
-use floe_trainer::tensorboard::masked_crc32c;
+use floe_trainer::outputs::metrics::{read_metrics, MetricsSink, METRICS_FILE, TENSORBOARD_DIR};
+use floe_trainer::outputs::tensorboard::masked_crc32c;
 
 fn metrics(step: u64) -> BTreeMap<String, f64> {
     let step = step as f64;

@@ -4,8 +4,9 @@
 use std::path::Path;
 
 use floe_trainer::checkpoint::{load_trainer_state, CHECKPOINTS_DIR, LATEST_FILE};
-use floe_trainer::metrics::read_metrics;
-use floe_trainer::run::{eval_checkpoint, train, EvalRequest};
+use floe_trainer::eval_checkpoint::{eval_checkpoint, EvalRequest};
+use floe_trainer::outputs::metrics::read_metrics;
+use floe_trainer::run::train;
 use floe_trainer::Config;
 
 /// The embedded recipe shrunk to seconds on a 2-core CPU.

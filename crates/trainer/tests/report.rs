@@ -4,8 +4,8 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use floe_trainer::config::Config;
-use floe_trainer::metrics::MetricsSink;
-use floe_trainer::report::{append_samples, write_report, Sample, REPORT_FILE};
+use floe_trainer::outputs::metrics::MetricsSink;
+use floe_trainer::outputs::report::{append_samples, write_report, Sample, REPORT_FILE};
 
 /// A 30-step run: training metrics every step, eval on two data sources every 10 steps.
 fn synthetic_run(run_dir: &Path) {

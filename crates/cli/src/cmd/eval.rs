@@ -2,7 +2,7 @@
 
 use std::path::PathBuf;
 
-use floe_trainer::run::{eval_checkpoint, EvalRequest};
+use floe_trainer::eval_checkpoint::{eval_checkpoint, EvalRequest};
 
 /// Flags of `floe eval`.
 #[derive(clap::Args)]

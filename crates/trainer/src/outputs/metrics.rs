@@ -13,8 +13,8 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+use super::tensorboard::{self, EventWriter};
 use crate::config::Logger;
-use crate::tensorboard::{self, EventWriter};
 
 /// File name of the metrics log inside a run directory.
 pub const METRICS_FILE: &str = "metrics.jsonl";

@@ -10,8 +10,8 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+use super::metrics::{read_metrics, MetricsError, MetricsRecord, METRICS_FILE};
 use crate::config::EFFECTIVE_CONFIG_FILE;
-use crate::metrics::{read_metrics, MetricsError, MetricsRecord, METRICS_FILE};
 
 /// File name of the report inside a run directory.
 pub const REPORT_FILE: &str = "report.html";

@@ -1,0 +1,525 @@
+//! One RL step: rollouts of a batch, scored as they finish → old (and reference) log-probs
+//! → rewards (optionally KL-penalised) → advantages → mini-batch policy updates → weight
+//! sync, giving the step's metrics.
+
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+use floe_engine::policy::OptimParams;
+use floe_engine::{
+    Engine, Loss, SamplingParams, SequenceGroup, TokenOutputs, TrainGroup, TrainResponse, Weights,
+};
+use floe_env::env::aggregate_metrics_by_env;
+use floe_model::tokenizer::Tokenizer;
+use floe_rl::advantage::zero_variance_sequences;
+use floe_rl::kl::{apply_kl_in_reward, KlController};
+use floe_rl::metrics::{names, response_length_metrics, reward_metrics};
+use floe_rl::optim::{lr_at, num_optimizer_steps, LrScheduleKind};
+use floe_rl::{compute_advantages, AdvantageInputs, AlgorithmConfig};
+
+use super::Run;
+use crate::config::{Config, Scheduler};
+use crate::data::{next_batch, Prompt};
+use crate::error::{Error, Result};
+use crate::rollout::{derive_seed, engine_sampling_params, Trajectory};
+
+/// Stream of training sampling seeds.
+const TRAIN_SEED_STREAM: u64 = 0x7A1;
+
+/// Whether `alg` needs the reference model's log-probs (a KL loss or a KL penalty in the
+/// reward).
+pub(super) fn uses_reference(alg: &AlgorithmConfig) -> bool {
+    alg.use_kl_loss || alg.use_kl_in_reward
+}
+
+/// What every RL step samples and updates with: fixed for the run but for the KL
+/// coefficient, which its controller moves.
+pub(super) struct StepSettings {
+    /// Sampling parameters of the training rollouts.
+    sampling: SamplingParams,
+    /// The temperature log-probs are taken at: the sampling one, 1 for greedy sampling.
+    temperature: f32,
+    /// `trainer.algorithm`'s policy loss.
+    policy_loss: Loss,
+    /// The shape of the learning-rate schedule.
+    schedule: LrScheduleKind,
+    /// Optimiser steps of the whole run, the schedule's length.
+    total_optimizer_steps: u64,
+    /// The KL-in-reward coefficient and its controller.
+    kl: KlController,
+}
+
+impl StepSettings {
+    /// The settings of `config`'s run of `total_steps` RL steps, with the KL coefficient
+    /// where the trainer state left it.
+    pub(super) fn new(
+        config: &Config,
+        tokenizer: &Tokenizer,
+        total_steps: u64,
+        kl_coef: f64,
+    ) -> Self {
+        let t = &config.trainer;
+        let sampling = &config.generator.sampling_params;
+        let mut kl = KlController::new(&t.algorithm);
+        kl.coef = kl_coef;
+        Self {
+            sampling: engine_sampling_params(sampling, tokenizer),
+            temperature: match sampling.temperature {
+                t if t > 0.0 => t as f32,
+                _ => 1.0,
+            },
+            policy_loss: Loss::Policy(t.algorithm.clone()),
+            schedule: match t.policy.optimizer_config.scheduler {
+                Scheduler::Constant => LrScheduleKind::Constant,
+                Scheduler::Linear => LrScheduleKind::Linear,
+                Scheduler::Cosine => LrScheduleKind::Cosine,
+            },
+            total_optimizer_steps: num_optimizer_steps(
+                total_steps,
+                t.train_batch_size as u64,
+                t.policy_mini_batch_size as u64,
+                t.update_epochs_per_batch as u64,
+            ),
+            kl,
+        }
+    }
+}
+
+/// The engine's per-token outputs of each response of each group.
+type GroupOutputs = Vec<Vec<TokenOutputs>>;
+
+/// The per-sequence facts of a batch's trajectories that the step's stages share.
+struct Sequences {
+    /// Each trajectory's reward.
+    scores_s: Vec<f64>,
+    /// Each trajectory's group: the index of its prompt in the batch.
+    group_ids_s: Vec<u64>,
+    /// Each trajectory's response length in tokens.
+    seq_lens_s: Vec<usize>,
+}
+
+impl Sequences {
+    /// The facts of `trajs`, in their order.
+    fn of(trajs: &[Trajectory]) -> Self {
+        Self {
+            scores_s: trajs.iter().map(|tr| tr.reward).collect(),
+            group_ids_s: trajs.iter().map(|tr| tr.prompt as u64).collect(),
+            seq_lens_s: trajs.iter().map(|tr| tr.response.len()).collect(),
+        }
+    }
+}
+
+impl<E: Engine> Run<'_, E> {
+    /// RL step `step` on the data cursor's next batch; returns its metrics. Moves the data
+    /// cursor, the optimiser step count and the KL coefficient of the trainer state, and
+    /// sets its step.
+    pub(super) fn rl_step(&mut self, step: u64) -> Result<BTreeMap<String, f64>> {
+        let step_start = Instant::now();
+        let (config, prompts) = (self.config, self.prompts);
+        let t = &config.trainer;
+        let n = config.generator.n_samples_per_prompt;
+        let batch_idx = next_batch(
+            &mut self.state.data_cursor,
+            t.train_batch_size,
+            config.data.shuffle,
+        );
+        let batch: Vec<&Prompt> = batch_idx.iter().map(|&i| prompts.rl_prompt(i)).collect();
+
+        // 1. Rollouts, scored as they finish.
+        let (trajs, rollout_timing) = self.rollouts.run(
+            self.engine,
+            &batch,
+            n,
+            &self.step_settings.sampling,
+            derive_seed(&[t.seed, TRAIN_SEED_STREAM, step]),
+        )?;
+        let sequences = Sequences::of(&trajs);
+        let mut metrics = rollout_metrics(&trajs, &sequences, n);
+
+        // 2. Old (and reference) log-probs of the sampled responses under the current weights.
+        let start = Instant::now();
+        let groups_g = sequence_groups(&trajs, batch.len())?;
+        let (old_g, ref_g) = self.response_logprobs(&groups_g)?;
+        metrics.insert("timing/fwd_logprobs".into(), start.elapsed().as_secs_f64());
+        // Trajectories are ordered (prompt, sample), the same order as the flattened groups.
+        let old_logprobs_t = flat_logprobs(&old_g);
+        metrics.extend(rollout_train_logprob_diff(&trajs, &old_logprobs_t));
+        let ref_logprobs_t = ref_g.as_deref().map(flat_logprobs);
+
+        // 3. Rewards (optionally KL-penalised) → advantages.
+        let advantages = advantages(
+            &t.algorithm,
+            &mut self.step_settings.kl,
+            &trajs,
+            &sequences,
+            &old_logprobs_t,
+            ref_logprobs_t.as_deref(),
+        );
+        metrics.extend(advantages.metrics);
+
+        // 4. Policy update: mini-batches of prompts × PPO epochs, one optimiser step each.
+        let start = Instant::now();
+        let train_g = train_groups(
+            &trajs,
+            &groups_g,
+            &TokenInputs {
+                loss_mask: &advantages.loss_mask_t,
+                advantages: &advantages.advantages_t,
+                old_logprobs: &old_logprobs_t,
+                ref_logprobs: ref_logprobs_t
+                    .as_deref()
+                    .filter(|_| t.algorithm.use_kl_loss),
+            },
+        );
+        metrics.extend(self.update_policy(&train_g)?);
+        metrics.insert("timing/train".into(), start.elapsed().as_secs_f64());
+
+        // 5. The sampler uses the new weights from the next rollout on.
+        let start = Instant::now();
+        self.engine
+            .sync_sampler_weights()
+            .map_err(Error::verb("sync_sampler_weights"))?;
+        metrics.insert("timing/sync".into(), start.elapsed().as_secs_f64());
+        metrics.insert("timing/generate".into(), rollout_timing.generate);
+        metrics.insert("timing/score".into(), rollout_timing.score);
+        metrics.insert("timing/step".into(), step_start.elapsed().as_secs_f64());
+        metrics.insert("trainer/epoch".into(), self.state.data_cursor.epoch as f64);
+        self.state.global_step = step;
+        self.state.kl_coef = self.step_settings.kl.coef;
+        Ok(metrics)
+    }
+
+    /// The log-probs of every response under the policy and, when the algorithm needs
+    /// them, the reference model, per group.
+    fn response_logprobs(
+        &mut self,
+        groups_g: &[SequenceGroup],
+    ) -> Result<(GroupOutputs, Option<GroupOutputs>)> {
+        let temperature = self.step_settings.temperature;
+        let old_g = self
+            .engine
+            .forward(groups_g, Weights::Policy, temperature)
+            .map_err(Error::verb("forward"))?;
+        let ref_g = if uses_reference(&self.config.trainer.algorithm) {
+            Some(
+                self.engine
+                    .forward(groups_g, Weights::Reference, temperature)
+                    .map_err(Error::verb("forward"))?,
+            )
+        } else {
+            None
+        };
+        Ok((old_g, ref_g))
+    }
+
+    /// `trainer.update_epochs_per_batch` passes over mini-batches of
+    /// `trainer.policy_mini_batch_size` prompts: forward and backward, then one optimiser
+    /// step at the schedule's learning rate each. Returns the mini-batches' mean metrics.
+    fn update_policy(&mut self, train_g: &[TrainGroup]) -> Result<BTreeMap<String, f64>> {
+        let t = &self.config.trainer;
+        let opt = &t.policy.optimizer_config;
+        let settings = &self.step_settings;
+        let mut update_metrics: Vec<BTreeMap<String, f64>> = Vec::new();
+        for _ in 0..t.update_epochs_per_batch {
+            for mini_batch in train_g.chunks(t.policy_mini_batch_size) {
+                let out = self
+                    .engine
+                    .forward_backward(mini_batch, &settings.policy_loss, settings.temperature)
+                    .map_err(Error::verb("forward_backward"))?;
+                let lr = lr_at(
+                    self.state.optimizer_steps,
+                    settings.schedule,
+                    opt.lr,
+                    opt.num_warmup_steps,
+                    settings.total_optimizer_steps,
+                );
+                let outcome = self
+                    .engine
+                    .optim_step(&OptimParams {
+                        lr: lr as f32,
+                        beta1: opt.betas[0] as f32,
+                        beta2: opt.betas[1] as f32,
+                        eps: opt.eps as f32,
+                        weight_decay: opt.weight_decay as f32,
+                        max_grad_norm: opt.max_grad_norm as f32,
+                    })
+                    .map_err(Error::verb("optim_step"))?;
+                // A skipped (non-finite) step advances neither the optimiser nor the schedule.
+                if !outcome.skipped {
+                    self.state.optimizer_steps += 1;
+                }
+                let mut m = out.metrics;
+                m.insert(names::POLICY_FINAL_LOSS.into(), out.loss);
+                m.insert(names::POLICY_GRAD_NORM.into(), outcome.grad_norm);
+                m.insert(names::POLICY_LR.into(), lr);
+                m.insert(
+                    "policy/skipped_steps".into(),
+                    f64::from(u8::from(outcome.skipped)),
+                );
+                update_metrics.push(m);
+            }
+        }
+        Ok(mean_per_key(&update_metrics))
+    }
+}
+
+/// The rollouts' reward, response-length and per-environment metrics.
+fn rollout_metrics(
+    trajs: &[Trajectory],
+    sequences: &Sequences,
+    n_samples_per_prompt: usize,
+) -> BTreeMap<String, f64> {
+    let mut metrics = reward_metrics(
+        &sequences.scores_s,
+        &sequences.group_ids_s,
+        n_samples_per_prompt,
+    );
+    metrics.extend(response_length_metrics(
+        &sequences.seq_lens_s,
+        &sequences.scores_s,
+    ));
+    metrics.extend(aggregate_metrics_by_env(
+        trajs
+            .iter()
+            .map(|tr| (tr.env_class.as_str(), &tr.env_metrics)),
+    ));
+    metrics
+}
+
+/// Per-token log-probs of the batch, sequences end to end, from per-group outputs.
+fn flat_logprobs(outputs_g: &[Vec<TokenOutputs>]) -> Vec<f64> {
+    outputs_g
+        .iter()
+        .flatten()
+        .flat_map(|o| o.logprobs.clone())
+        .collect()
+}
+
+/// What [`advantages`] gives the policy update.
+struct Advantages {
+    /// The loss mask per token, zero on filtered sequences.
+    loss_mask_t: Vec<f64>,
+    /// The advantage per token.
+    advantages_t: Vec<f64>,
+    /// KL, filter and advantage metrics.
+    metrics: BTreeMap<String, f64>,
+}
+
+/// The advantages of the batch: the token rewards, KL-penalised when `alg` says so (which
+/// moves the KL controller), the zero-variance filter on the loss mask, then `alg`'s
+/// estimator.
+fn advantages(
+    alg: &AlgorithmConfig,
+    kl: &mut KlController,
+    trajs: &[Trajectory],
+    sequences: &Sequences,
+    old_logprobs_t: &[f64],
+    ref_logprobs_t: Option<&[f64]>,
+) -> Advantages {
+    let Sequences {
+        scores_s,
+        group_ids_s,
+        seq_lens_s,
+    } = sequences;
+    let mut metrics = BTreeMap::new();
+    let mut loss_mask_t: Vec<f64> = trajs.iter().flat_map(|tr| tr.loss_mask.clone()).collect();
+    let mut token_rewards_t: Vec<f64> = trajs
+        .iter()
+        .flat_map(|tr| tr.token_rewards.clone())
+        .collect();
+    if alg.use_kl_in_reward {
+        let reference = ref_logprobs_t.expect("reference log-probs were computed");
+        let with_kl = apply_kl_in_reward(
+            alg.kl_estimator_type,
+            kl.coef,
+            &token_rewards_t,
+            old_logprobs_t,
+            reference,
+            &loss_mask_t,
+            seq_lens_s,
+        );
+        token_rewards_t = with_kl.token_rewards;
+        metrics.insert(names::LOSS_AVG_KL.into(), with_kl.avg_kl);
+        metrics.insert(names::LOSS_AVG_KL_MAX.into(), with_kl.avg_kl_max);
+        metrics.insert(names::LOSS_KL_LOSS_COEF.into(), kl.coef);
+        kl.update(with_kl.avg_kl, trajs.len());
+    }
+    if alg.zero_variance_filter {
+        let filtered_s = zero_variance_sequences(scores_s, group_ids_s);
+        let mut offset = 0;
+        for (&len, &filtered) in seq_lens_s.iter().zip(&filtered_s) {
+            if filtered {
+                loss_mask_t[offset..offset + len].fill(0.0);
+            }
+            offset += len;
+        }
+        metrics.insert(
+            names::REWARD_NUM_ZERO_VARIANCE_FILTERED.into(),
+            filtered_s.iter().filter(|&&f| f).count() as f64,
+        );
+    }
+    let advantages_t = compute_advantages(
+        alg,
+        &AdvantageInputs {
+            seq_lens: seq_lens_s,
+            token_rewards: &token_rewards_t,
+            response_mask: &loss_mask_t,
+            group_ids: group_ids_s,
+        },
+    );
+    metrics.extend(advantage_metrics(
+        &advantages_t,
+        &loss_mask_t,
+        &token_rewards_t,
+        seq_lens_s,
+    ));
+    Advantages {
+        loss_mask_t,
+        advantages_t,
+        metrics,
+    }
+}
+
+/// How far the sampler's log-probs of the response tokens are from the trainer's under the
+/// same weights (`policy/rollout_train_logprobs_abs_diff_{mean,max}` over loss-masked
+/// tokens): near 0 unless the two paths disagree. Empty when some trajectory has none.
+fn rollout_train_logprob_diff(trajs: &[Trajectory], train_t: &[f64]) -> BTreeMap<String, f64> {
+    if trajs
+        .iter()
+        .any(|tr| tr.rollout_logprobs.len() != tr.response.len())
+    {
+        return BTreeMap::new();
+    }
+    let rollout_t = trajs.iter().flat_map(|tr| &tr.rollout_logprobs);
+    let mask_t = trajs.iter().flat_map(|tr| &tr.loss_mask);
+    let (mut sum, mut max, mut count) = (0.0_f64, 0.0_f64, 0usize);
+    for ((rollout, train), mask) in rollout_t.zip(train_t).zip(mask_t) {
+        if *mask > 0.0 {
+            let diff = (rollout - train).abs();
+            sum += diff;
+            max = max.max(diff);
+            count += 1;
+        }
+    }
+    if count == 0 {
+        return BTreeMap::new();
+    }
+    BTreeMap::from([
+        (
+            "policy/rollout_train_logprobs_abs_diff_mean".to_string(),
+            sum / count as f64,
+        ),
+        (
+            "policy/rollout_train_logprobs_abs_diff_max".to_string(),
+            max,
+        ),
+    ])
+}
+
+/// One [`SequenceGroup`] per prompt: its prompt and its samples' responses, in sample order.
+fn sequence_groups(trajs: &[Trajectory], num_prompts: usize) -> Result<Vec<SequenceGroup>> {
+    let mut groups_g: Vec<Option<SequenceGroup>> = vec![None; num_prompts];
+    for tr in trajs {
+        let group = groups_g[tr.prompt].get_or_insert_with(|| SequenceGroup {
+            prompt: tr.prompt_ids.clone(),
+            responses: Vec::new(),
+        });
+        if group.prompt != tr.prompt_ids {
+            return Err(Error::Data(format!(
+                "the environment of prompt {} gave its samples different first prompts; \
+                 Env::init must be deterministic",
+                tr.prompt
+            )));
+        }
+        group.responses.push(tr.response.clone());
+    }
+    Ok(groups_g.into_iter().flatten().collect())
+}
+
+/// Per-token training inputs of the whole batch, sequences end to end.
+struct TokenInputs<'a> {
+    loss_mask: &'a [f64],
+    advantages: &'a [f64],
+    old_logprobs: &'a [f64],
+    ref_logprobs: Option<&'a [f64]>,
+}
+
+/// Splits the batch's per-token inputs back into [`TrainGroup`]s of the same layout as
+/// `groups_g`. Rollout log-probs go along when every sample has them.
+fn train_groups(
+    trajs: &[Trajectory],
+    groups_g: &[SequenceGroup],
+    inputs: &TokenInputs,
+) -> Vec<TrainGroup> {
+    let with_rollout = trajs
+        .iter()
+        .all(|tr| tr.rollout_logprobs.len() == tr.response.len());
+    let mut trajs = trajs.iter();
+    let mut offset = 0;
+    groups_g
+        .iter()
+        .map(|group| TrainGroup {
+            prompt: group.prompt.clone(),
+            responses: group
+                .responses
+                .iter()
+                .map(|tokens| {
+                    let tr = trajs.next().expect("one trajectory per response");
+                    let range = offset..offset + tokens.len();
+                    offset = range.end;
+                    TrainResponse {
+                        tokens: tokens.clone(),
+                        loss_mask: inputs.loss_mask[range.clone()].to_vec(),
+                        advantages: inputs.advantages[range.clone()].to_vec(),
+                        old_logprobs: inputs.old_logprobs[range.clone()].to_vec(),
+                        rollout_logprobs: with_rollout.then(|| tr.rollout_logprobs.clone()),
+                        ref_logprobs: inputs.ref_logprobs.map(|r| r[range].to_vec()),
+                    }
+                })
+                .collect(),
+        })
+        .collect()
+}
+
+/// `loss/avg_raw_advantages(_abs)` over trained tokens and `loss/avg_final_rewards` per
+/// sequence.
+fn advantage_metrics(
+    advantages_t: &[f64],
+    loss_mask_t: &[f64],
+    token_rewards_t: &[f64],
+    seq_lens_s: &[usize],
+) -> BTreeMap<String, f64> {
+    let count: f64 = loss_mask_t.iter().sum::<f64>().max(1.0);
+    let masked = |f: fn(f64) -> f64| {
+        advantages_t
+            .iter()
+            .zip(loss_mask_t)
+            .map(|(a, m)| f(*a) * m)
+            .sum::<f64>()
+            / count
+    };
+    let final_rewards = token_rewards_t.iter().sum::<f64>() / seq_lens_s.len().max(1) as f64;
+    BTreeMap::from([
+        (names::LOSS_AVG_RAW_ADVANTAGES.to_string(), masked(|a| a)),
+        (
+            names::LOSS_AVG_RAW_ADVANTAGES_ABS.to_string(),
+            masked(f64::abs),
+        ),
+        (names::LOSS_AVG_FINAL_REWARDS.to_string(), final_rewards),
+    ])
+}
+
+/// The mean of each key over the maps that have it (mini-batch metrics of one step).
+fn mean_per_key(maps: &[BTreeMap<String, f64>]) -> BTreeMap<String, f64> {
+    let mut sums: BTreeMap<&str, (f64, f64)> = BTreeMap::new();
+    for map in maps {
+        for (k, v) in map {
+            let e = sums.entry(k).or_default();
+            e.0 += v;
+            e.1 += 1.0;
+        }
+    }
+    sums.into_iter()
+        .map(|(k, (sum, n))| (k.to_string(), sum / n))
+        .collect()
+}
