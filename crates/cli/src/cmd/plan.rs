@@ -1,8 +1,6 @@
 //! `floe plan`: what a recipe's engine will hold on the GPU and in host memory, printed
 //! without a GPU, and whether it fits.
 
-use std::path::PathBuf;
-
 use anyhow::Context;
 use floe_engine::Device;
 use floe_trainer::config::Config;
@@ -22,10 +20,7 @@ pub struct Args {
 
 /// Runs `floe plan`: prints the plan; fails, naming the knobs, when it does not fit.
 pub fn run(args: Args) -> anyhow::Result<()> {
-    let (recipe, overrides) = match args.args.split_first() {
-        Some((first, rest)) if !first.contains('=') => (Some(PathBuf::from(first)), rest),
-        _ => (None, &args.args[..]),
-    };
+    let (recipe, overrides) = super::train::recipe_and_overrides(&args.args);
     let config = Config::load(recipe.as_deref(), overrides)?;
     config.validate()?;
     let device_bytes = match config.engine.device {

@@ -19,10 +19,7 @@ pub struct Args {
 /// Runs `floe train`. A killed run loses at most the steps since its last checkpoint:
 /// run the same command again (`trainer.resume = "latest"`) to continue.
 pub fn run(args: Args) -> anyhow::Result<()> {
-    let (recipe, overrides) = match args.args.split_first() {
-        Some((first, rest)) if !first.contains('=') => (Some(PathBuf::from(first)), rest),
-        _ => (None, &args.args[..]),
-    };
+    let (recipe, overrides) = recipe_and_overrides(&args.args);
     let config = Config::load(recipe.as_deref(), overrides)?;
     config.validate()?;
     let recipe_name = recipe
@@ -37,6 +34,14 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let outcome = train(&config).with_context(|| format!("training with {recipe_name}"))?;
     print_summary(&outcome);
     Ok(())
+}
+
+/// The recipe (a first argument that is no `key=value`) and the overrides after it.
+pub fn recipe_and_overrides(args: &[String]) -> (Option<PathBuf>, &[String]) {
+    match args.split_first() {
+        Some((first, rest)) if !first.contains('=') => (Some(PathBuf::from(first)), rest),
+        _ => (None, args),
+    }
 }
 
 fn print_summary(outcome: &RunOutcome) {
