@@ -294,7 +294,14 @@ impl<B: Backend> LocalEngine<B> {
                 "max_tokens_per_microbatch is 0; give a positive token budget".into(),
             ));
         }
-        let plan = memory_plan(&*backend, &source, &options)?;
+        let (model, lora) = source.shape()?;
+        let plan = memory_plan(
+            &*backend,
+            &model,
+            lora.as_ref(),
+            source.base_is_resident(),
+            &options,
+        );
         plan.check()?;
         let mut policy = Policy::new(source.load(backend)?);
         policy.set_optimizer_placement(options.optimizer_placement)?;
@@ -345,12 +352,13 @@ impl<B: Backend> LocalEngine<B> {
             ..SamplerConfig::default()
         };
         self.sampler = new_sampler(model, &smallest, &None)?;
-        let resident = ModelSource::Random {
-            config: model.config().clone(),
-            seed: 0,
-        };
-        let mut plan = memory_plan(&**model.backend(), &resident, &self.options)?;
-        plan.without_base_weights();
+        let plan = memory_plan(
+            &**model.backend(),
+            model.config(),
+            model.lora_config(),
+            true,
+            &self.options,
+        );
         self.sampler_config = sampler_config(model, &self.options, &plan);
         self.sampler = new_sampler(model, &self.sampler_config, &self.tokenizer)?;
         self.info = engine_info(self.policy.model(), &self.options, &self.sampler_config);
@@ -994,30 +1002,28 @@ fn logit_scale(temperature: f32) -> Result<f32> {
 
 /// Sampler sizes: the KV blocks a byte budget buys, never more than the running
 /// sequences could fill at the model's longest context.
-/// The memory plan of an engine for `source` on `backend` (see [`MemoryPlan`]): the
-/// device budget is `options.memory_fraction` of the memory free before loading.
+/// The memory plan of an engine for `model` (with `lora` adapters) on `backend` (see
+/// [`MemoryPlan`]): the device budget is `options.memory_fraction` of the memory free now.
 fn memory_plan<B: Backend>(
     backend: &B,
-    source: &ModelSource,
+    model: &ModelConfig,
+    lora: Option<&LoraConfig>,
+    base_resident: bool,
     options: &LocalEngineOptions,
-) -> Result<MemoryPlan> {
-    let (model, lora) = source.shape()?;
+) -> MemoryPlan {
     let budget = backend
         .memory_info()
         .map(|(free, _total)| (free as f64 * options.memory_fraction) as usize);
-    let mut plan = MemoryPlan::new(&PlanInputs {
-        model: &model,
-        lora: lora.as_ref(),
+    MemoryPlan::new(&PlanInputs {
+        model,
+        lora,
+        base_resident,
         device: options.device,
         placement: options.optimizer_placement,
         recompute: options.recompute,
         max_tokens_per_microbatch: options.max_tokens_per_microbatch,
         budget_bytes: budget,
-    });
-    if source.base_is_resident() {
-        plan.without_base_weights();
-    }
-    Ok(plan)
+    })
 }
 
 fn sampler_config<B: Backend>(

@@ -34,6 +34,9 @@ pub struct PlanInputs<'a> {
     pub model: &'a ModelConfig,
     /// Adapters that train on a frozen base, if any.
     pub lora: Option<&'a LoraConfig>,
+    /// The base weights are already on the device (a base shared by several engines, or
+    /// a model already loaded) and cost this engine nothing.
+    pub base_resident: bool,
     /// The device.
     pub device: Device,
     /// Where the optimizer keeps masters and moments.
@@ -92,13 +95,13 @@ impl MemoryPlan {
         // The weights forwards read; on the CPU they are the masters themselves.
         let separate_compute = on_device && compute != full;
         let frozen_base = inputs.lora.is_some();
-        if separate_compute {
+        if separate_compute && !inputs.base_resident {
             device.push(item("weights (compute precision)", base * compute));
         }
         // The base's Full masters stay on the device unless a host optimizer of the full
         // weights took them (a LoRA base keeps them; on the CPU they are the weights).
         let device_masters = !separate_compute || frozen_base || !host_optimizer;
-        if device_masters {
+        if device_masters && !inputs.base_resident {
             device.push(item("master weights (f32)", base * full));
         }
         if frozen_base {
@@ -138,17 +141,6 @@ impl MemoryPlan {
             budget_bytes: inputs.budget_bytes,
             inputs: (tokens, inputs.recompute, inputs.placement),
         }
-    }
-
-    /// Drops the base weights from the device lines: they are already resident (a base
-    /// shared by several engines) and cost this engine nothing.
-    pub fn without_base_weights(&mut self) {
-        self.device.retain(|i| {
-            !matches!(
-                i.what,
-                "weights (compute precision)" | "master weights (f32)"
-            )
-        });
     }
 
     /// Bytes on the device besides the KV cache.
@@ -272,6 +264,7 @@ mod tests {
         PlanInputs {
             model,
             lora: None,
+            base_resident: false,
             device: Device::Cuda(0),
             placement,
             recompute: true,

@@ -188,6 +188,7 @@ pub fn memory_plan(config: &Config, device_bytes: Option<usize>) -> Result<Memor
     let options = engine_options(config);
     Ok(MemoryPlan::new(&PlanInputs {
         model: &model,
+        base_resident: false,
         lora: None,
         device: options.device,
         placement: options.optimizer_placement,

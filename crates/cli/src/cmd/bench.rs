@@ -193,6 +193,7 @@ fn bench<B: Backend>(
         let plan = MemoryPlan::new(&PlanInputs {
             model: &config,
             lora: None,
+            base_resident: false,
             device: args.device,
             placement,
             recompute: args.recompute,
