@@ -509,6 +509,27 @@ pub fn adamw(
     compute.map_or(Ok(()), |c| len(OP, "compute", c, param))
 }
 
+/// [`crate::Backend::adamw_host`]: the device's `param` and `grad` and the host's
+/// `master`, `m`, `v` all have one length.
+pub fn adamw_host(
+    param: usize,
+    grad: usize,
+    master: usize,
+    m: usize,
+    v: usize,
+    hp: &AdamW,
+) -> Result<()> {
+    const OP: &str = "adamw_host";
+    if hp.step == 0 {
+        return Err(shape_error(OP, "`step` is 1-based; got 0".into()));
+    }
+    lens(
+        OP,
+        &[("grad", grad), ("master", master), ("m", m), ("v", v)],
+        param,
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

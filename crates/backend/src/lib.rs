@@ -30,6 +30,7 @@ pub mod contract;
 pub mod cpu;
 pub mod cuda;
 mod error;
+mod host_adamw;
 pub mod sampling;
 
 pub use error::{Error, Result};
@@ -248,6 +249,11 @@ pub trait Backend: Send + Sync + 'static {
     fn copy_into(&self, dst: &mut Self::Buf, offset: usize, src: &Self::Buf) -> Result<()>;
     /// Sets every element to zero.
     fn fill_zero(&self, buf: &mut Self::Buf) -> Result<()>;
+    /// Element `i` of `buf` becomes `std · sampling::normal(seed, first + i)`, rounded to
+    /// f32 and then to the buffer's storage: a tensor of random weights made where it
+    /// lives, in parallel. CUDA's f64 `log` and `cos` may round differently from the
+    /// host's, so its f32 values can differ from the CPU's by one unit in the last place.
+    fn fill_normal(&self, buf: &mut Self::Buf, seed: u64, first: u64, std: f64) -> Result<()>;
 
     // ---- elementwise and reductions --------------------------------------------------
 
@@ -487,6 +493,21 @@ pub trait Backend: Send + Sync + 'static {
         m: &mut Self::Buf,
         v: &mut Self::Buf,
         compute: Option<&mut Self::Buf>,
+        hp: AdamW,
+    ) -> Result<()>;
+
+    /// One AdamW step whose state lives in host memory, as ZeRO-Offload keeps it: the f32
+    /// `master` weights and moments `m`, `v` (each of `grad`'s length) are updated on the
+    /// host by the rule of [`Backend::adamw`], and the new weights are written into
+    /// `param` (Compute or Full). A device streams the Full `grad` down and the weights up
+    /// in chunks, overlapped with the update.
+    fn adamw_host(
+        &self,
+        param: &mut Self::Buf,
+        grad: &Self::Buf,
+        master: &mut [f32],
+        m: &mut [f32],
+        v: &mut [f32],
         hp: AdamW,
     ) -> Result<()>;
 }

@@ -57,6 +57,24 @@ pub fn uniform(seed: u64, offset: u64) -> f64 {
     (mix64(state) >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
 }
 
+/// The `index`-th standard normal of the splitmix64 stream seeded with `seed` (Box–Muller,
+/// two draws per normal), computed without drawing the ones before it: the generator's
+/// state after `k` draws is `seed + k · GAMMA`. The random weights of a model are this
+/// stream over its tensors, so any element can be made on its own, on any backend.
+///
+/// Exactly, in wrapping 64-bit arithmetic, with `s = seed + 2 · index · GAMMA` and
+/// `unit(k) = ((mix64(s + k · GAMMA) >> 11) + 1) · 2⁻⁵³` (in `(0, 1]`):
+/// `sqrt(−2 ln unit(1)) · cos(2π · unit(2))` in f64.
+#[inline]
+pub fn normal(seed: u64, index: u64) -> f64 {
+    let state = seed.wrapping_add(index.wrapping_mul(2).wrapping_mul(GAMMA));
+    let unit = |k: u64| {
+        ((mix64(state.wrapping_add(k.wrapping_mul(GAMMA))) >> 11) + 1) as f64 / (1u64 << 53) as f64
+    };
+    let (u, v) = (unit(1), unit(2));
+    (-2.0 * u.ln()).sqrt() * (2.0 * std::f64::consts::PI * v).cos()
+}
+
 /// Draws one token from `logits` (one row of `[vocab]`) with `row`'s parameters; see the
 /// module documentation for the exact procedure. `logits` must not be empty.
 pub fn sample_row(logits: &[f32], row: &SamplingRow) -> Sampled {

@@ -172,6 +172,46 @@ fn add_scale_sum_squares() {
     }
 }
 
+#[test]
+fn random_normals_match_the_cpu_stream() {
+    let Some(g) = gpu() else { return };
+    let c = CpuBackend::<f32>::new();
+    // Far into the stream (an 8B model's last tensors start past 7·10⁹), both storages.
+    let (n, seed, first) = (3_000_017, 7, 7_000_000_123);
+    for kind in [BufKind::Full, BufKind::Compute] {
+        let mut gb = g.zeros(n, kind).unwrap();
+        g.fill_normal(&mut gb, seed, first, 0.02).unwrap();
+        let mut cb = c.zeros(n, kind).unwrap();
+        c.fill_normal(&mut cb, seed, first, 0.02).unwrap();
+        let (got, want) = (g.download(&gb).unwrap(), c.download(&cb).unwrap());
+        let want: Vec<f32> = match kind {
+            BufKind::Compute => want.iter().map(|&x| bf16(x)).collect(),
+            _ => want,
+        };
+        // CUDA's f64 log and cos may differ from the host's in the last bit, which moves
+        // the rounding to f32 (or bf16) of a few elements by one unit.
+        let ulps = |a: f32, b: f32| (a.to_bits() as i64 - b.to_bits() as i64).unsigned_abs();
+        let differ = got.iter().zip(&want).filter(|(a, b)| a != b).count();
+        let worst = got
+            .iter()
+            .zip(&want)
+            .map(|(&a, &b)| ulps(a, b))
+            .max()
+            .unwrap();
+        println!("fill_normal ({kind:?}): {differ} of {n} differ, by at most {worst} ulp");
+        assert!(
+            worst <= 1 && differ <= 10,
+            "{differ} elements differ, up to {worst} ulp"
+        );
+        let mean = got.iter().map(|&x| f64::from(x)).sum::<f64>() / n as f64;
+        let var = got.iter().map(|&x| f64::from(x).powi(2)).sum::<f64>() / n as f64;
+        assert!(
+            mean.abs() < 1e-4 && (var.sqrt() - 0.02).abs() < 1e-4,
+            "{mean} {var}"
+        );
+    }
+}
+
 fn gather_embed<B: Backend>(
     b: &B,
     table: &[f32],
@@ -910,6 +950,79 @@ fn adamw_steps() {
     check("adamw m", &gr[1], &cr[1], 1e-5);
     check("adamw v", &gr[2], &cr[2], 1e-5);
     check("adamw compute copy (bf16)", &gr[3], &cr[3], TOL);
+}
+
+/// `adamw_host`'s steps: the master weights, moments and the weights it wrote on the device.
+fn adamw_host_case<B: Backend>(
+    b: &B,
+    p: &[f32],
+    grads: &[Vec<f32>],
+    hp: AdamW,
+    kind: BufKind,
+) -> Vec<Vec<f32>> {
+    let n = p.len();
+    let mut master = p.to_vec();
+    let (mut m, mut v) = (vec![0.0; n], vec![0.0; n]);
+    let mut weights = b.upload(&nan(n), kind).unwrap();
+    for (step, g) in grads.iter().enumerate() {
+        let gb = b.upload(g, BufKind::Full).unwrap();
+        let hp = AdamW {
+            step: step as u64 + 1,
+            ..hp
+        };
+        b.adamw_host(&mut weights, &gb, &mut master, &mut m, &mut v, hp)
+            .unwrap();
+    }
+    vec![master, m, v, b.download(&weights).unwrap()]
+}
+
+#[test]
+fn adamw_host_steps_as_the_kernel_does() {
+    let Some(g) = gpu() else { return };
+    let c = CpuBackend::<f32>::new();
+    let mut rng = Rng::new(15);
+    // Three chunks of the host stream, the last one partial.
+    let n = (8 << 20) * 2 + 12_345;
+    let p = rng.vec(n, 1.0);
+    let grads: Vec<Vec<f32>> = (0..2).map(|_| rng.vec(n, 0.01)).collect();
+    let hp = AdamW {
+        lr: 1e-3,
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+        weight_decay: 0.1,
+        step: 1,
+        grad_scale: 0.5,
+    };
+    let kernel = adamw_case(&g, &p, &grads, hp);
+    let streamed = adamw_host_case(&g, &p, &grads, hp, BufKind::Compute);
+    check(
+        "adamw_host master vs kernel",
+        &streamed[0],
+        &kernel[0],
+        1e-6,
+    );
+    check("adamw_host m vs kernel", &streamed[1], &kernel[1], 1e-5);
+    check("adamw_host v vs kernel", &streamed[2], &kernel[2], 1e-5);
+    check("adamw_host bf16 weights", &streamed[3], &kernel[3], 1e-4);
+    // A Full parameter (a LoRA adapter's master on the device) and the CPU backend.
+    let small = 1000;
+    let full = adamw_host_case(
+        &g,
+        &p[..small],
+        &[grads[0][..small].to_vec()],
+        hp,
+        BufKind::Full,
+    );
+    let cpu = adamw_host_case(
+        &c,
+        &p[..small],
+        &[grads[0][..small].to_vec()],
+        hp,
+        BufKind::Full,
+    );
+    check("adamw_host Full weights = master", &full[3], &full[0], 0.0);
+    check("adamw_host cuda vs cpu", &full[0], &cpu[0], 1e-6);
 }
 
 // ---- timing ----------------------------------------------------------------------------

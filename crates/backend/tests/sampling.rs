@@ -1,8 +1,9 @@
 //! The reference sampler: determinism, greedy limits, exact truncation supports and
 //! empirical frequencies, log-probabilities.
 
-use floe_backend::sampling::{mix64, sample_row, uniform, GAMMA};
-use floe_backend::SamplingRow;
+use floe_backend::cpu::CpuBackend;
+use floe_backend::sampling::{mix64, normal, sample_row, uniform, GAMMA};
+use floe_backend::{Backend, BufKind, SamplingRow};
 use rand_xoshiro::rand_core::{RngCore, SeedableRng};
 use rand_xoshiro::SplitMix64;
 
@@ -123,6 +124,32 @@ fn the_seeded_generator_is_mix64_of_its_state() {
             0x06C4_5D18_8009_454F
         ]
     );
+}
+
+#[test]
+fn random_weights_are_the_seeded_streams_normals_from_their_place() {
+    // normal(seed, k) is the k-th Box–Muller normal of SplitMix64 seeded with `seed`.
+    let seed = 9;
+    let mut rng = SplitMix64::seed_from_u64(seed);
+    let mut unit = || ((rng.next_u64() >> 11) + 1) as f64 / (1u64 << 53) as f64;
+    let stream: Vec<f64> = (0..40)
+        .map(|_| {
+            let (u, v) = (unit(), unit());
+            (-2.0 * u.ln()).sqrt() * (2.0 * std::f64::consts::PI * v).cos()
+        })
+        .collect();
+    for (k, z) in stream.iter().enumerate() {
+        assert_eq!(normal(seed, k as u64).to_bits(), z.to_bits(), "normal {k}");
+    }
+    // A tensor that starts 25 normals into the stream gets normals 25, 26, ...
+    let cpu = CpuBackend::<f64>::new();
+    let mut buf = cpu.zeros(15, BufKind::Full).unwrap();
+    cpu.fill_normal(&mut buf, seed, 25, 0.02).unwrap();
+    let want: Vec<f64> = stream[25..]
+        .iter()
+        .map(|z| f64::from((0.02 * z) as f32))
+        .collect();
+    assert_eq!(cpu.download_f64(&buf).unwrap(), want);
 }
 
 #[test]

@@ -20,6 +20,7 @@ use rayon::prelude::*;
 pub use float::CpuFloat;
 
 use crate::contract::{self, Ids, PagedLens};
+use crate::host_adamw;
 use crate::{
     sampling, AdamW, AttnShape, Backend, BufKind, Error, LmHead, Matmul, PagedLayout, Result,
     Sampled, SamplingRow, Segment,
@@ -390,6 +391,14 @@ impl<T: CpuFloat> Backend for CpuBackend<T> {
             CpuBuf::Float { data, .. } => data.fill(T::ZERO),
             CpuBuf::Index(data) => data.fill(0),
         }
+        Ok(())
+    }
+
+    fn fill_normal(&self, buf: &mut CpuBuf<T>, seed: u64, first: u64, std: f64) -> Result<()> {
+        let data = floats_mut("fill_normal", "buf", buf)?;
+        data.par_iter_mut().enumerate().for_each(|(i, x)| {
+            *x = T::from_f32((std * crate::sampling::normal(seed, first + i as u64)) as f32);
+        });
         Ok(())
     }
 
@@ -1026,11 +1035,13 @@ impl<T: CpuFloat> Backend for CpuBackend<T> {
         };
         let n_compute = compute.as_ref().map(|c| c.len());
         contract::adamw(param.len(), grad.len(), m.len(), v.len(), n_compute, &hp)?;
+        // The CUDA kernel's rule term for term (bias corrections in f64, rounded once to
+        // T), so at f32 this is bit for bit the host optimizer of `adamw_host`.
         let f = |x: f32| T::from_f32(x);
         let (b1, b2) = (f(hp.beta1), f(hp.beta2));
         let step = i32::try_from(hp.step).unwrap_or(i32::MAX);
-        let bc1 = T::ONE - b1.powi(step);
-        let bc2 = T::ONE - b2.powi(step);
+        let bc1 = T::from_f64(1.0 - f64::from(hp.beta1).powi(step));
+        let bc2 = T::from_f64(1.0 - f64::from(hp.beta2).powi(step));
         let (lr, eps, decay, gscale) = (f(hp.lr), f(hp.eps), f(hp.weight_decay), f(hp.grad_scale));
         param
             .par_iter_mut()
@@ -1038,13 +1049,36 @@ impl<T: CpuFloat> Backend for CpuBackend<T> {
             .zip(grad.par_iter())
             .for_each(|((p, (m, v)), &g)| {
                 let g = g * gscale;
+                let mut w = *p;
+                w -= lr * decay * w;
                 *m = b1 * *m + (T::ONE - b1) * g;
                 *v = b2 * *v + (T::ONE - b2) * g * g;
-                let update = (*m / bc1) / ((*v / bc2).sqrt() + eps);
-                *p = *p - lr * decay * *p - lr * update;
+                w -= lr * (*m / bc1) / ((*v / bc2).sqrt() + eps);
+                *p = w;
             });
         if let Some(compute) = compute {
             compute.copy_from_slice(param);
+        }
+        Ok(())
+    }
+
+    fn adamw_host(
+        &self,
+        param: &mut CpuBuf<T>,
+        grad: &CpuBuf<T>,
+        master: &mut [f32],
+        m: &mut [f32],
+        v: &mut [f32],
+        hp: AdamW,
+    ) -> Result<()> {
+        const OP: &str = "adamw_host";
+        let grad: Vec<f32> = full(OP, "grad", grad)?.iter().map(|g| g.to_f32()).collect();
+        let param = floats_mut(OP, "param", param)?;
+        contract::adamw_host(param.len(), grad.len(), master.len(), m.len(), v.len(), &hp)?;
+        let terms = host_adamw::AdamWTerms::new(&hp);
+        host_adamw::step(&terms, master, &grad, m, v, host_adamw::Rounded::None);
+        for (p, &w) in param.iter_mut().zip(master.iter()) {
+            *p = T::from_f32(w);
         }
         Ok(())
     }

@@ -8,8 +8,8 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::cublas::{result as cublas_result, sys as cublas_sys, CudaBlas};
 use cudarc::driver::{
-    CudaContext, CudaEvent, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr,
-    LaunchConfig, PushKernelArg,
+    sys as driver_sys, CudaContext, CudaEvent, CudaFunction, CudaModule, CudaSlice, CudaStream,
+    DevicePtr, LaunchConfig, PinnedHostSlice, PushKernelArg,
 };
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
 
@@ -181,6 +181,56 @@ pub struct CudaBackend {
     /// Whether launches and GEMMs are being timed ([`CudaBackend::start_profile`]).
     profiling: AtomicBool,
     spans: Mutex<Vec<Span>>,
+    /// Page-locked buffers of [`crate::Backend::adamw_host`], made on its first call.
+    pub(crate) host_staging: Mutex<Option<HostStaging>>,
+}
+
+/// Elements of one chunk that [`crate::Backend::adamw_host`] streams through the host.
+pub(crate) const STAGING_CHUNK: usize = 8 << 20;
+
+/// Page-locked host memory for streaming a parameter through the host in chunks: two
+/// buffers for gradients coming down and two for bf16 weights going up, so the copies of
+/// one chunk overlap the update of the next. Each buffer's event marks when the copy
+/// last queued on it is done; the host waits on it before touching the buffer.
+pub(crate) struct HostStaging {
+    pub(crate) grads: [Staged<f32>; 2],
+    pub(crate) weights: [Staged<u16>; 2],
+}
+
+/// One page-locked buffer and the event of its last copy.
+pub(crate) struct Staged<T> {
+    pub(crate) buf: PinnedHostSlice<T>,
+    pub(crate) done: CudaEvent,
+}
+
+impl HostStaging {
+    fn new(ctx: &Arc<CudaContext>) -> Result<Self> {
+        // Gradients are read by the host: cached memory. Weights are only written by it:
+        // write-combined memory, faster to send.
+        let grads = || -> Result<Staged<f32>> {
+            Ok(Staged {
+                // SAFETY: every element is written by a copy before the host reads it.
+                buf: unsafe { ctx.alloc_pinned_with_flags::<f32>(STAGING_CHUNK, 0)? },
+                done: ctx.new_event(None)?,
+            })
+        };
+        let weights = || -> Result<Staged<u16>> {
+            Ok(Staged {
+                // SAFETY: the host writes every element it sends.
+                buf: unsafe {
+                    ctx.alloc_pinned_with_flags::<u16>(
+                        STAGING_CHUNK,
+                        driver_sys::CU_MEMHOSTALLOC_WRITECOMBINED,
+                    )?
+                },
+                done: ctx.new_event(None)?,
+            })
+        };
+        Ok(Self {
+            grads: [grads()?, grads()?],
+            weights: [weights()?, weights()?],
+        })
+    }
 }
 
 /// One timed launch or GEMM: what ran, between two events recorded on the stream.
@@ -265,7 +315,20 @@ impl CudaBackend {
             _blas_workspace: workspace,
             profiling: AtomicBool::new(false),
             spans: Mutex::new(Vec::new()),
+            host_staging: Mutex::new(None),
         })
+    }
+
+    /// Runs `f` with the staging buffers, making them on first use.
+    pub(crate) fn with_host_staging<R>(
+        &self,
+        f: impl FnOnce(&mut HostStaging) -> Result<R>,
+    ) -> Result<R> {
+        let mut staging = self.host_staging.lock().expect("poisoned");
+        if staging.is_none() {
+            *staging = Some(HostStaging::new(&self.ctx)?);
+        }
+        f(staging.as_mut().expect("made above"))
     }
 
     /// Starts timing every kernel launch and GEMM with a pair of CUDA events around it (the

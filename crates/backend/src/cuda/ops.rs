@@ -5,8 +5,11 @@
 use cudarc::driver::LaunchConfig;
 
 use super::attention::{dkdv_shared_bytes, forward_shared_bytes, work_lists, THREADS};
-use super::device::{dtype_code, int, Arg, CudaBackend, CudaBuf, Module, Storage};
+use super::device::{
+    dtype_code, int, Arg, CudaBackend, CudaBuf, HostStaging, Module, Storage, STAGING_CHUNK,
+};
 use crate::contract::{self, Ids, PagedLens};
+use crate::host_adamw::{self, AdamWTerms, Rounded};
 use crate::{
     sampling, AdamW, AttnShape, Backend, BufKind, Error, LmHead, Matmul, PagedLayout, Result,
     Sampled, SamplingRow, Segment,
@@ -394,6 +397,24 @@ impl Backend for CudaBackend {
             Storage::U32(s) => self.stream.memset_zeros(s)?,
         }
         Ok(())
+    }
+
+    fn fill_normal(&self, buf: &mut CudaBuf, seed: u64, first: u64, std: f64) -> Result<()> {
+        let dt = float("fill_normal", "buf", buf)?;
+        // u64 and f64 travel as the bits of a `long long`.
+        self.launch(
+            Module::Elementwise,
+            "fill_normal",
+            self.grid_1d(buf.len, 256),
+            &[
+                self.p(buf),
+                dt,
+                Arg::I64(seed as i64),
+                Arg::I64(first as i64),
+                Arg::I64(std.to_bits() as i64),
+                i64_arg(buf.len),
+            ],
+        )
     }
 
     // ---- elementwise and reductions --------------------------------------------------
@@ -1374,6 +1395,94 @@ impl Backend for CudaBackend {
                 i64_arg(n),
             ],
         )
+    }
+
+    fn adamw_host(
+        &self,
+        param: &mut CudaBuf,
+        grad: &CudaBuf,
+        master: &mut [f32],
+        m: &mut [f32],
+        v: &mut [f32],
+        hp: AdamW,
+    ) -> Result<()> {
+        const OP: &str = "adamw_host";
+        need(OP, "grad", grad, BufKind::Full)?;
+        float(OP, "param", param)?;
+        contract::adamw_host(param.len, grad.len, master.len(), m.len(), v.len(), &hp)?;
+        let terms = AdamWTerms::new(&hp);
+        let Storage::F32(g) = &grad.storage else {
+            unreachable!("a Full buffer holds f32")
+        };
+        match &mut param.storage {
+            Storage::Bf16(p) => self.adamw_host_streamed(p, g, master, m, v, &terms),
+            // Full weights (a LoRA adapter's masters): small, sent whole.
+            Storage::F32(p) => {
+                let g = self.stream.clone_dtoh(g)?;
+                host_adamw::step(&terms, master, &g, m, v, Rounded::None);
+                self.stream.memcpy_htod(&*master, p)?;
+                Ok(())
+            }
+            Storage::U32(_) => unreachable!("checked by `float`"),
+        }
+    }
+}
+
+impl CudaBackend {
+    /// [`Backend::adamw_host`] for a bf16 `param`: chunk by chunk, the gradient comes down
+    /// into one page-locked buffer while the host updates the chunk before it and the
+    /// chunk before that goes up, all queued on the one stream.
+    fn adamw_host_streamed(
+        &self,
+        param: &mut cudarc::driver::CudaSlice<u16>,
+        grad: &cudarc::driver::CudaSlice<f32>,
+        master: &mut [f32],
+        m: &mut [f32],
+        v: &mut [f32],
+        terms: &AdamWTerms,
+    ) -> Result<()> {
+        let n = master.len();
+        let chunks: Vec<(usize, usize)> = (0..n)
+            .step_by(STAGING_CHUNK)
+            .map(|start| (start, (start + STAGING_CHUNK).min(n)))
+            .collect();
+        self.with_host_staging(|staging| {
+            let stream = &self.stream;
+            let download = |staging: &mut HostStaging, c: usize| -> Result<()> {
+                let (start, end) = chunks[c];
+                let slot = &mut staging.grads[c % 2];
+                let host = &mut slot.buf.as_mut_slice()?[..end - start];
+                stream.memcpy_dtoh(&grad.slice(start..end), host)?;
+                slot.done.record(stream)?;
+                Ok(())
+            };
+            download(staging, 0)?;
+            for (c, &(start, end)) in chunks.iter().enumerate() {
+                if c + 1 < chunks.len() {
+                    download(staging, c + 1)?;
+                }
+                let HostStaging { grads, weights } = staging;
+                let (down, up) = (&mut grads[c % 2], &mut weights[c % 2]);
+                down.done.synchronize()?;
+                // The weights this buffer sent two chunks ago must be on the device.
+                up.done.synchronize()?;
+                let g = &down.buf.as_mut_slice()?[..end - start];
+                let bits = &mut up.buf.as_mut_slice()?[..end - start];
+                host_adamw::step(
+                    terms,
+                    &mut master[start..end],
+                    g,
+                    &mut m[start..end],
+                    &mut v[start..end],
+                    Rounded::Bf16(bits),
+                );
+                stream.memcpy_htod(&*bits, &mut param.slice_mut(start..end))?;
+                up.done.record(stream)?;
+            }
+            // The buffers outlive this call, but a later one must not find its chunks still
+            // in flight unordered with the host's writes: the events above order them.
+            Ok(())
+        })
     }
 }
 

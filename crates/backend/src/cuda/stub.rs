@@ -108,6 +108,10 @@ impl Backend for CudaBackend {
         match *self {}
     }
 
+    fn fill_normal(&self, _buf: &mut CudaBuf, _seed: u64, _first: u64, _std: f64) -> Result<()> {
+        match *self {}
+    }
+
     fn add_assign(&self, _y: &mut CudaBuf, _x: &CudaBuf) -> Result<()> {
         match *self {}
     }
@@ -343,6 +347,18 @@ impl Backend for CudaBackend {
         _m: &mut CudaBuf,
         _v: &mut CudaBuf,
         _compute: Option<&mut CudaBuf>,
+        _hp: AdamW,
+    ) -> Result<()> {
+        match *self {}
+    }
+
+    fn adamw_host(
+        &self,
+        _param: &mut CudaBuf,
+        _grad: &CudaBuf,
+        _master: &mut [f32],
+        _m: &mut [f32],
+        _v: &mut [f32],
         _hp: AdamW,
     ) -> Result<()> {
         match *self {}

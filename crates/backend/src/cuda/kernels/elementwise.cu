@@ -121,6 +121,27 @@ extern "C" __global__ void swiglu_backward(void* dgate, int dgdt, void* dup, int
 // One AdamW step on f32 master weights and moments; `compute` (may be null) receives the
 // new weights in its own storage type, so no separate cast pass is needed.
 // bias1 = 1 - beta1^step, bias2 = 1 - beta2^step (computed in f64 on the host).
+// splitmix64's finaliser, as `floe_backend::sampling::mix64`.
+__device__ __forceinline__ unsigned long long mix64(unsigned long long z) {
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+// out[i] = std * normal(seed, first + i), the formula of `floe_backend::sampling::normal`
+// step for step in f64; std arrives as the bits of a double.
+extern "C" __global__ void fill_normal(void* out, int odt, i64 seed, i64 first, i64 std_bits, i64 n) {
+    const unsigned long long gamma = 0x9E3779B97F4A7C15ull;
+    const double sd = __longlong_as_double(std_bits);
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+        unsigned long long s = (unsigned long long)seed + ((unsigned long long)(first + i) * 2ull) * gamma;
+        double u = (double)((mix64(s + gamma) >> 11) + 1ull) / 9007199254740992.0;
+        double v = (double)((mix64(s + 2ull * gamma) >> 11) + 1ull) / 9007199254740992.0;
+        double z = sqrt(-2.0 * log(u)) * cos(2.0 * 3.141592653589793 * v);
+        stf(out, odt, i, (float)(sd * z));
+    }
+}
+
 extern "C" __global__ void adamw(float* param, const void* grad, int gdt, float* m, float* v, void* compute,
                                  int cdt, float lr, float beta1, float beta2, float eps, float weight_decay,
                                  float grad_scale, float bias1, float bias2, i64 n) {
