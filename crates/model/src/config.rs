@@ -158,7 +158,7 @@ pub enum ConfigError {
         msg: String,
     },
     /// `ModelConfig::preset` got a name it does not know.
-    #[error("unknown model preset `{0}`; known: tiny, small, 0.6B, 1.7B, 4B, 8B")]
+    #[error("unknown model preset `{0}`; known: tiny, small, 0.6B, 1.7B, 4B, 8B, 14B, 32B")]
     UnknownPreset(String),
 }
 
@@ -545,7 +545,7 @@ impl ModelConfig {
     ///   4 query and 2 key/value heads of 32, vocabulary 1024, RoPE base 1e4, eos id 2, no
     ///   bos (about 1M parameters);
     /// - `small`: floe's own 4-layer size twice as wide (hidden 256, heads of 64);
-    /// - `0.6B`, `1.7B`, `4B`, `8B`: the public Qwen3 configs.
+    /// - `0.6B`, `1.7B`, `4B`, `8B`, `14B`, `32B`: the public Qwen3 configs.
     ///
     /// Except for `tiny`: vocabulary 151936, head size 128 (64 for `small`), RoPE base 1e6,
     /// bos 151643, eos 151645. RMSNorm eps 1e-6 throughout; the embeddings are tied up to 4B.
@@ -559,6 +559,8 @@ impl ModelConfig {
             "1.7B" => (2048, 6144, 28, 16, 8),
             "4B" => (2560, 9728, 36, 32, 8),
             "8B" => (4096, 12288, 36, 32, 8),
+            "14B" => (5120, 17408, 40, 40, 8),
+            "32B" => (5120, 25600, 64, 64, 8),
             _ => return Err(ConfigError::UnknownPreset(name.to_string())),
         };
         Ok(ModelConfig {
@@ -578,7 +580,7 @@ impl ModelConfig {
             rope_theta: if tiny { 1e4 } else { 1e6 },
             rope_scaling: None,
             max_position_embeddings: 40960,
-            tie_word_embeddings: name != "8B",
+            tie_word_embeddings: !matches!(name, "8B" | "14B" | "32B"),
             attention_bias: false,
             qk_norm: true,
             bos_token_id: (!tiny).then_some(151643),

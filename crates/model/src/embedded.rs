@@ -30,7 +30,7 @@ pub fn embedded_model(
         return Ok(None);
     };
     let config = ModelConfig::preset(name).map_err(|_| UnknownEmbeddedModel(path.to_string()))?;
-    Ok(Some(over_tokenizer(config, tokenizer)))
+    Ok(Some(over_embedded_tokenizer(config, tokenizer)))
 }
 
 /// Ids of the embedded tokenizer: the Qwen3 special tokens, 256 bytes, then merges learnt
@@ -45,7 +45,7 @@ pub const EMBEDDED_CONTEXT: usize = 2048;
 #[derive(Debug, thiserror::Error)]
 #[error(
     "model.path = {0:?} names no embedded model; use \"embedded:<name>\" with a name of \
-     tiny, small, 0.6B, 1.7B, 4B or 8B"
+     tiny, small, 0.6B, 1.7B, 4B, 8B, 14B or 32B"
 )]
 pub struct UnknownEmbeddedModel(pub String);
 
@@ -55,18 +55,9 @@ pub fn train_embedded_tokenizer(texts: &[String]) -> Result<Tokenizer, Tokenizer
     train_bpe(texts, EMBEDDED_VOCAB_SIZE, &QWEN3_SPECIAL_TOKENS)
 }
 
-/// The tiny Qwen3 shape (`ModelConfig::preset("tiny")`: hidden 128, 4 layers, 4 query
-/// and 2 key/value heads of 32, tied embeddings; about 1M parameters with a 1k vocabulary)
-/// over `tokenizer`'s ids: the model of [`EMBEDDED_TINY`].
-pub fn embedded_model_config(tokenizer: &Tokenizer) -> ModelConfig {
-    over_tokenizer(
-        ModelConfig::preset("tiny").expect("a built-in preset"),
-        tokenizer,
-    )
-}
-
-/// `config` with the vocabulary and special ids of `tokenizer` and the embedded context.
-fn over_tokenizer(mut config: ModelConfig, tokenizer: &Tokenizer) -> ModelConfig {
+/// `config` with the vocabulary and special ids of `tokenizer` (an embedded one) and the
+/// embedded context: the shape of a random model over a task's own tokenizer.
+pub fn over_embedded_tokenizer(mut config: ModelConfig, tokenizer: &Tokenizer) -> ModelConfig {
     config.vocab_size = tokenizer.vocab_size();
     config.max_position_embeddings = EMBEDDED_CONTEXT;
     config.bos_token_id = None;
@@ -102,8 +93,11 @@ mod tests {
                 .unwrap()
                 .unwrap();
             let preset = ModelConfig::preset(name).unwrap();
-            assert_eq!(config, over_tokenizer(preset, &tokenizer), "{name}");
+            assert_eq!(
+                config,
+                over_embedded_tokenizer(preset, &tokenizer),
+                "{name}"
+            );
         }
-        assert_eq!(tiny, embedded_model_config(&tokenizer));
     }
 }

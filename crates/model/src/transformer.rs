@@ -32,11 +32,9 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use floe_backend::sampling::GAMMA;
 use floe_backend::{AttnShape, Backend, BufKind, LmHead, Matmul, PagedLayout, Segment};
 use rand_xoshiro::rand_core::{RngCore, SeedableRng};
 use rand_xoshiro::SplitMix64;
-use rayon::prelude::*;
 
 use crate::batch::{BatchError, PackedBatch, TokenStats};
 use crate::config::ModelConfig;
@@ -452,6 +450,27 @@ pub struct ParamSlot<'a, B: Backend> {
     pub compute: Option<&'a mut B::Buf>,
 }
 
+/// How a model keeps its base weights where the backend computes in a lower precision
+/// than it stores (CUDA: bf16 and f32; on the CPU both are the same f32 weights).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BaseStorage {
+    /// Full (f32) masters that an optimizer updates, and their Compute copies.
+    Trainable,
+    /// Only Compute copies, half the memory: a base that stays frozen (under LoRA
+    /// adapters), the state [`Transformer::drop_device_masters`] leaves, reached without
+    /// holding the masters first.
+    ComputeOnly,
+}
+
+impl BaseStorage {
+    fn kind(self) -> BufKind {
+        match self {
+            BaseStorage::Trainable => BufKind::Full,
+            BaseStorage::ComputeOnly => BufKind::Compute,
+        }
+    }
+}
+
 /// A decoder-only transformer on backend `B`, with its gradients and activations.
 pub struct Transformer<B: Backend> {
     pub(crate) backend: Arc<B>,
@@ -508,8 +527,8 @@ pub fn rope_inv_freq(config: &ModelConfig) -> Vec<f32> {
     inv
 }
 
-/// splitmix64 (`rand_xoshiro`'s), the seeded generator of [`Transformer::new_random`]
-/// and of fresh LoRA adapters.
+/// splitmix64 (`rand_xoshiro`'s), the seeded generator of fresh LoRA adapters (random
+/// weights jump into its stream with [`floe_backend::sampling::normal`]).
 pub(crate) struct SplitMix(SplitMix64);
 
 impl SplitMix {
@@ -521,15 +540,6 @@ impl SplitMix {
     /// Uniform in (0, 1].
     pub(crate) fn unit(&mut self) -> f64 {
         ((self.0.next_u64() >> 11) + 1) as f64 / (1u64 << 53) as f64
-    }
-
-    /// The `index`-th standard normal (Box–Muller, two draws each) of the stream seeded
-    /// with `seed`, without drawing the ones before it: the generator's state after `k`
-    /// draws is `seed + k · γ`.
-    fn normal_at(seed: u64, index: u64) -> f64 {
-        let mut rng = SplitMix::new(seed.wrapping_add((2 * index).wrapping_mul(GAMMA)));
-        let (u, v) = (rng.unit(), rng.unit());
-        (-2.0 * u.ln()).sqrt() * (2.0 * std::f64::consts::PI * v).cos()
     }
 }
 
@@ -573,8 +583,13 @@ fn check_config(c: &ModelConfig) -> Result<()> {
 impl<B: Backend> Transformer<B> {
     /// Builds the model around `params`: Compute copies where the backend needs them, and
     /// RoPE frequencies.
-    fn with_params(backend: Arc<B>, config: ModelConfig, params: Params<B::Buf>) -> Result<Self> {
-        let compute = if backend.compute_is_full() {
+    fn with_params(
+        backend: Arc<B>,
+        config: ModelConfig,
+        params: Params<B::Buf>,
+        storage: BaseStorage,
+    ) -> Result<Self> {
+        let compute = if backend.compute_is_full() || storage == BaseStorage::ComputeOnly {
             None
         } else {
             let masters = params.tensors();
@@ -676,27 +691,34 @@ impl<B: Backend> Transformer<B> {
 
     /// A model with normal(0, 0.02) weights from `seed`, norms at 1 and biases at 0.
     pub fn new_random(backend: Arc<B>, config: ModelConfig, seed: u64) -> Result<Self> {
+        Self::new_random_stored(backend, config, seed, BaseStorage::Trainable)
+    }
+
+    /// [`Transformer::new_random`] with the base weights kept as `storage` says.
+    pub fn new_random_stored(
+        backend: Arc<B>,
+        config: ModelConfig,
+        seed: u64,
+        storage: BaseStorage,
+    ) -> Result<Self> {
         check_config(&config)?;
+        let kind = storage.kind();
         // Normals drawn so far: the weights are one splitmix64 stream over the tensors in
-        // order, generated in parallel by jumping to each element's place in it.
+        // order, each made where it lives by jumping to its place in the stream.
         let mut drawn = 0;
         let params = Params::build(&config, |name, shape| {
             let n: usize = shape.iter().product();
-            let data: Vec<f32> = if name.ends_with("norm.weight") {
-                vec![1.0; n]
-            } else if name.ends_with(".bias") {
-                vec![0.0; n]
-            } else {
-                let first = drawn;
+            if name.ends_with("norm.weight") {
+                return Ok(backend.upload(&vec![1.0; n], kind)?);
+            }
+            let mut buf = backend.zeros(n, kind)?;
+            if !name.ends_with(".bias") {
+                backend.fill_normal(&mut buf, seed, drawn, 0.02)?;
                 drawn += n as u64;
-                (0..n as u64)
-                    .into_par_iter()
-                    .map(|i| (0.02 * SplitMix::normal_at(seed, first + i)) as f32)
-                    .collect()
-            };
-            Ok(backend.upload(&data, BufKind::Full)?)
+            }
+            Ok(buf)
         })?;
-        Self::with_params(backend, config, params)
+        Self::with_params(backend, config, params, storage)
     }
 
     /// A model from host tensors named as in [`tensor_specs`]; errors name the missing
@@ -706,12 +728,22 @@ impl<B: Backend> Transformer<B> {
         config: ModelConfig,
         weights: &BTreeMap<String, HostTensor>,
     ) -> Result<Self> {
+        Self::from_host_weights_stored(backend, config, weights, BaseStorage::Trainable)
+    }
+
+    /// [`Transformer::from_host_weights`] with the base weights kept as `storage` says.
+    pub fn from_host_weights_stored(
+        backend: Arc<B>,
+        config: ModelConfig,
+        weights: &BTreeMap<String, HostTensor>,
+        storage: BaseStorage,
+    ) -> Result<Self> {
         check_config(&config)?;
         check_weights(&config, weights)?;
         let params = Params::build(&config, |name, _| {
-            Ok(backend.upload(&weights[name].data, BufKind::Full)?)
+            Ok(backend.upload(&weights[name].data, storage.kind())?)
         })?;
-        Self::with_params(backend, config, params)
+        Self::with_params(backend, config, params, storage)
     }
 
     /// Replaces every weight (and its Compute copy) with host tensors named as in
@@ -1538,25 +1570,6 @@ impl<B: Backend> Transformer<B> {
                     ))
                 })
                 .collect(),
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_normal_drawn_by_index_is_the_streams_normal() {
-        let seed = 42;
-        let mut rng = SplitMix::new(seed);
-        for index in 0..1000 {
-            let (u, v) = (rng.unit(), rng.unit());
-            let sequential = (-2.0 * u.ln()).sqrt() * (2.0 * std::f64::consts::PI * v).cos();
-            assert_eq!(
-                SplitMix::normal_at(seed, index).to_bits(),
-                sequential.to_bits()
-            );
         }
     }
 }

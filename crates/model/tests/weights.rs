@@ -106,6 +106,13 @@ fn presets_have_the_public_shapes() {
     assert!(!c8.tie_word_embeddings);
     // Qwen3-8B: 8,190,735,360 parameters.
     assert_eq!(c8.num_parameters(), 8_190_735_360);
+    // Qwen3-32B: 32.8B parameters, 31.2B of them outside the two embeddings.
+    let c32 = ModelConfig::preset("32B").unwrap();
+    let embeddings = 2 * c32.vocab_size * c32.hidden_size;
+    assert_eq!(
+        (c32.num_parameters(), c32.num_parameters() - embeddings),
+        (32_762_123_264, 31_206_298_624)
+    );
     // `tiny` is the default embedded model's shape, `small` the same depth twice as wide.
     let (tiny, small) = (
         ModelConfig::preset("tiny").unwrap(),

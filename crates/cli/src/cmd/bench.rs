@@ -45,7 +45,7 @@ pub struct Args {
     /// `cpu` or `cuda:N`.
     #[arg(long, default_value = "cpu")]
     device: Device,
-    /// A Qwen3 shape (`tiny`, `small`, `0.6B`, `1.7B`, `4B`, `8B`: the names of
+    /// A Qwen3 shape (`tiny`, `small`, `0.6B`, `1.7B`, `4B`, `8B`, `14B`, `32B`: the names of
     /// `embedded:<name>`) or a Hugging Face folder; `tiny` is the shape `floe train` trains
     /// by default. (Before issue 17, `tiny` was called `embedded` and `small` was `tiny`.)
     #[arg(long, default_value = "small")]
@@ -142,7 +142,7 @@ fn model_shape(args: &Args) -> anyhow::Result<(ModelConfig, Option<PathBuf>)> {
             ""
         };
         bail!(
-            "--model `{}` is neither a preset (tiny, small, 0.6B, 1.7B, 4B, 8B) nor a folder with a \
+            "--model `{}` is neither a preset (tiny, small, 0.6B, 1.7B, 4B, 8B, 14B, 32B) nor a folder with a \
              config.json{renamed}",
             args.model
         );
