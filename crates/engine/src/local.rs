@@ -26,7 +26,7 @@ use floe_backend::Backend;
 use floe_model::batch::TokenStats;
 use floe_model::lora::{load_adapter_dir, read_adapter_config, LoraConfig};
 use floe_model::tokenizer::Tokenizer;
-use floe_model::transformer::{ModelError, Result as ModelResult, Transformer};
+use floe_model::transformer::{BaseStorage, ModelError, Result as ModelResult, Transformer};
 use floe_model::weights::{self, HostTensor, SaveDType};
 use floe_model::ModelConfig;
 use floe_rl::metrics::reduce_micro_batch_metrics;
@@ -184,9 +184,10 @@ impl SharedBase {
     /// A model over the shared weights, loading them onto `backend` on first use.
     fn model<B: Backend>(&self, backend: Arc<B>) -> Result<Transformer<B>> {
         let loaded = self.loaded.get_or_init(|| {
+            // Frozen while shared, so the Full masters would never be read.
             let model = (*self.source)
                 .clone()
-                .load(backend)
+                .load(backend, BaseStorage::ComputeOnly)
                 .map_err(|e| e.to_string())?;
             Ok(Arc::new(model) as Arc<dyn Any + Send + Sync>)
         });
@@ -244,19 +245,23 @@ impl ModelSource {
         }
     }
 
-    fn load<B: Backend>(self, backend: Arc<B>) -> Result<Transformer<B>> {
+    /// The model on `backend`, its base weights kept as `storage` says.
+    fn load<B: Backend>(self, backend: Arc<B>, storage: BaseStorage) -> Result<Transformer<B>> {
         Ok(match self {
             ModelSource::Dir(dir) => {
                 let (config, host) = weights::load_model_dir(&dir)?;
-                Transformer::from_host_weights(backend, config, &host)?
+                Transformer::from_host_weights_stored(backend, config, &host, storage)?
             }
-            ModelSource::Random { config, seed } => Transformer::new_random(backend, config, seed)?,
+            ModelSource::Random { config, seed } => {
+                Transformer::new_random_stored(backend, config, seed, storage)?
+            }
             ModelSource::Host { config, weights } => {
-                Transformer::from_host_weights(backend, config, &weights)?
+                Transformer::from_host_weights_stored(backend, config, &weights, storage)?
             }
             ModelSource::Shared(shared) => shared.model(backend)?,
             ModelSource::Lora { base, adapters } => {
-                let base = base.load(backend)?;
+                // The base stays frozen under the adapters.
+                let base = base.load(backend, BaseStorage::ComputeOnly)?;
                 match adapters {
                     AdapterSource::Fresh(config) => base.with_lora(config)?,
                     AdapterSource::Dir(dir) => {
@@ -278,6 +283,7 @@ pub struct LocalEngine<B: Backend> {
     sampler: Sampler<Transformer<B>>,
     sampler_config: SamplerConfig,
     tokenizer: Option<Arc<Tokenizer>>,
+    plan: MemoryPlan,
 }
 
 impl<B: Backend> LocalEngine<B> {
@@ -303,7 +309,7 @@ impl<B: Backend> LocalEngine<B> {
             &options,
         );
         plan.check()?;
-        let mut policy = Policy::new(source.load(backend)?);
+        let mut policy = Policy::new(source.load(backend, BaseStorage::Trainable)?);
         policy.set_optimizer_placement(options.optimizer_placement)?;
         policy.set_recompute(options.recompute);
         let sampler_config = sampler_config(policy.model(), &options, &plan);
@@ -318,12 +324,18 @@ impl<B: Backend> LocalEngine<B> {
             sampler,
             sampler_config,
             tokenizer,
+            plan,
         })
     }
 
     /// The policy: weights and optimizer state (benchmarks, export).
     pub fn policy(&self) -> &Policy<B> {
         &self.policy
+    }
+
+    /// The memory plan the engine was admitted with (what it holds, and its KV cache).
+    pub fn memory_plan(&self) -> &MemoryPlan {
+        &self.plan
     }
 
     /// The sampler's sizes.
@@ -675,7 +687,13 @@ impl<B: Backend> Engine for LocalEngine<B> {
         let model = self.policy.model();
         let (config, host) = model.merged_host_weights()?;
         let backend = Arc::clone(model.backend());
-        self.reference = Some(Transformer::from_host_weights(backend, config, &host)?);
+        // Only forwards read it: the Compute copies are all it needs.
+        self.reference = Some(Transformer::from_host_weights_stored(
+            backend,
+            config,
+            &host,
+            BaseStorage::ComputeOnly,
+        )?);
         Ok(())
     }
 
@@ -791,6 +809,16 @@ impl AnyLocalEngine {
                 let engine = LocalEngine::new(Arc::new(backend), source, tokenizer, options)?;
                 Ok(Self::Cuda(Box::new(engine)))
             }
+        }
+    }
+}
+
+impl AnyLocalEngine {
+    /// The memory plan the engine was admitted with.
+    pub fn memory_plan(&self) -> &MemoryPlan {
+        match self {
+            Self::Cpu(engine) => engine.memory_plan(),
+            Self::Cuda(engine) => engine.memory_plan(),
         }
     }
 }

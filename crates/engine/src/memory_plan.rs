@@ -68,8 +68,8 @@ pub struct MemoryPlan {
     pub host: Vec<PlanItem>,
     /// The device budget, when the device has one.
     pub budget_bytes: Option<usize>,
-    /// Micro-batch tokens, recompute and placement, for the knobs a refusal names.
-    inputs: (usize, bool, OptimizerPlacement),
+    /// The settings a refusal names as knobs.
+    knobs: Knobs,
 }
 
 impl MemoryPlan {
@@ -99,8 +99,9 @@ impl MemoryPlan {
             device.push(item("weights (compute precision)", base * compute));
         }
         // The base's Full masters stay on the device unless a host optimizer of the full
-        // weights took them (a LoRA base keeps them; on the CPU they are the weights).
-        let device_masters = !separate_compute || frozen_base || !host_optimizer;
+        // weights took them or the base is frozen under adapters (on the CPU they are the
+        // weights themselves).
+        let device_masters = !separate_compute || !(frozen_base || host_optimizer);
         if device_masters && !inputs.base_resident {
             device.push(item("master weights (f32)", base * full));
         }
@@ -139,7 +140,12 @@ impl MemoryPlan {
             device,
             host,
             budget_bytes: inputs.budget_bytes,
-            inputs: (tokens, inputs.recompute, inputs.placement),
+            knobs: Knobs {
+                max_tokens_per_microbatch: tokens,
+                recompute: inputs.recompute,
+                placement: inputs.placement,
+                lora: frozen_base,
+            },
         }
     }
 
@@ -164,7 +170,12 @@ impl MemoryPlan {
     pub fn check(&self) -> Result<(), PlanError> {
         match (self.budget_bytes, self.kv_cache_bytes()) {
             (Some(budget), Some(kv)) if kv < MIN_KV_CACHE_BYTES => {
-                let (tokens, recompute, placement) = self.inputs;
+                let Knobs {
+                    max_tokens_per_microbatch: tokens,
+                    recompute,
+                    placement,
+                    lora,
+                } = self.knobs;
                 let mut knobs = vec![format!(
                     "lower the micro-batch tokens (trainer.max_tokens_per_microbatch, now \
                      {tokens})"
@@ -179,6 +190,12 @@ impl MemoryPlan {
                             .into(),
                     );
                 }
+                if !lora {
+                    knobs.push(
+                        "train LoRA adapters on a frozen bf16 base (model.lora.rank, e.g. 32)"
+                            .into(),
+                    );
+                }
                 knobs.push("raise engine.memory_fraction".into());
                 Err(PlanError {
                     needed: self.device_bytes() + MIN_KV_CACHE_BYTES,
@@ -190,6 +207,15 @@ impl MemoryPlan {
             _ => Ok(()),
         }
     }
+}
+
+/// The inputs of a plan that settings can change to free device memory.
+#[derive(Clone, Debug, PartialEq)]
+struct Knobs {
+    max_tokens_per_microbatch: usize,
+    recompute: bool,
+    placement: OptimizerPlacement,
+    lora: bool,
 }
 
 fn item(what: &'static str, bytes: usize) -> PlanItem {
@@ -293,6 +319,29 @@ mod tests {
         assert_eq!(weights, 6 * params);
         assert_eq!(offloaded.host_bytes(), 12 * params);
         assert!(offloaded.kv_cache_bytes().unwrap() > 8 << 30);
+    }
+
+    #[test]
+    fn a_lora_base_is_frozen_in_compute_precision_so_32b_fits_an_h200() {
+        let model = ModelConfig::preset("32B").unwrap();
+        let lora = LoraConfig::new(32);
+        let h200 = PlanInputs {
+            lora: Some(&lora),
+            budget_bytes: Some(125 << 30),
+            ..inputs(&model, OptimizerPlacement::Device)
+        };
+        let plan = MemoryPlan::new(&h200);
+        plan.check().unwrap();
+        assert!(plan.device.iter().all(|i| !i.what.starts_with("master")));
+        let base = plan.device.iter().find(|i| i.what.starts_with("weights"));
+        assert_eq!(base.unwrap().bytes, 2 * model.num_parameters());
+        // Full-parameter, it cannot fit, and the refusal names LoRA.
+        let full = MemoryPlan::new(&PlanInputs {
+            lora: None,
+            ..h200.clone()
+        });
+        let err = full.check().unwrap_err().to_string();
+        assert!(err.contains("model.lora.rank"), "{err}");
     }
 
     #[test]

@@ -18,16 +18,16 @@
 //! and two moments) beside the bf16 weights: an 8B model needs ~130 GB before its first
 //! activation. [`OptimizerPlacement::Host`] keeps the f32 master weights and the moments
 //! in host memory instead (as DeepSpeed's ZeRO-Offload does): the device holds the bf16
-//! weights and the f32 gradients; each step downloads a parameter's gradient, applies
-//! AdamW on the CPU (the CPU backend's own `adamw`, so both placements run one update
-//! rule) and uploads the new weights in the device's compute precision. The result equals
-//! the on-device optimizer's up to f32 rounding.
+//! weights and the f32 gradients; each step streams a parameter's gradient down, applies
+//! AdamW on the CPU cores (the rule of the device's kernel, term for term) and streams the
+//! new weights up in the device's compute precision, the copies overlapped with the update
+//! ([`Backend::adamw_host`]). The result equals the on-device optimizer's up to f32
+//! rounding.
 
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
 
-use floe_backend::cpu::{CpuBackend, CpuBuf};
 use floe_backend::{AdamW, Backend, BufKind};
 use floe_model::batch::{PackedBatch, TokenStats};
 use floe_model::lora::{self, ADAPTER_CONFIG_FILE};
@@ -91,9 +91,9 @@ struct Moments<Buf> {
 /// The optimizer's state of one parameter kept in host memory.
 struct HostParam {
     /// The f32 master weights.
-    master: CpuBuf<f32>,
+    master: Vec<f32>,
     /// Allocated on the first optimizer step.
-    moments: Option<Moments<CpuBuf<f32>>>,
+    moments: Option<Moments<Vec<f32>>>,
 }
 
 /// The optimizer state, keyed by HF tensor name, where [`OptimizerPlacement`] says.
@@ -101,11 +101,8 @@ enum OptimizerState<B: Backend> {
     /// Moments on the device, allocated on the first optimizer step; the masters are the
     /// model's own Full weights.
     Device(BTreeMap<String, Moments<B::Buf>>),
-    /// Masters and moments in host memory, updated by the CPU backend.
-    Host {
-        cpu: CpuBackend<f32>,
-        params: BTreeMap<String, HostParam>,
-    },
+    /// Masters and moments in host memory, updated there ([`Backend::adamw_host`]).
+    Host { params: BTreeMap<String, HostParam> },
 }
 
 /// The transformer being trained with its optimizer state.
@@ -166,12 +163,7 @@ impl<B: Backend> Policy<B> {
             }
             (OptimizerPlacement::Host, OptimizerState::Device(moments)) => {
                 let backend = Arc::clone(self.model.backend());
-                let host = |buf: &B::Buf| -> floe_backend::Result<CpuBuf<f32>> {
-                    Ok(CpuBuf::Float {
-                        data: backend.download(buf)?,
-                        kind: BufKind::Full,
-                    })
-                };
+                let host = |buf: &B::Buf| backend.download(buf);
                 let mut params = BTreeMap::new();
                 let mut device_moments = std::mem::take(moments);
                 self.model.visit_params(&mut |name, slot| {
@@ -189,10 +181,7 @@ impl<B: Backend> Policy<B> {
                 if self.model.lora_config().is_none() {
                     self.model.drop_device_masters()?;
                 }
-                self.state = OptimizerState::Host {
-                    cpu: CpuBackend::new(),
-                    params,
-                };
+                self.state = OptimizerState::Host { params };
                 Ok(())
             }
         }
@@ -285,44 +274,28 @@ impl<B: Backend> Policy<B> {
                 )?;
                 Ok(())
             })?,
-            OptimizerState::Host { cpu, params } => {
-                self.model.visit_params(&mut |name, slot| {
-                    let host = params.get_mut(name).ok_or_else(|| {
-                        ModelError::Input(format!("no host master weights for `{name}`"))
-                    })?;
-                    let grad = CpuBuf::Float {
-                        data: backend.download(slot.grad)?,
-                        kind: BufKind::Full,
-                    };
-                    let len = grad_len(&grad);
-                    let moments = host.moments.get_or_insert_with(|| Moments {
-                        m: CpuBuf::Float {
-                            data: vec![0.0; len],
-                            kind: BufKind::Full,
-                        },
-                        v: CpuBuf::Float {
-                            data: vec![0.0; len],
-                            kind: BufKind::Full,
-                        },
-                    });
-                    cpu.adamw(
-                        &mut host.master,
-                        &grad,
-                        &mut moments.m,
-                        &mut moments.v,
-                        None,
-                        hp,
-                    )?;
-                    let CpuBuf::Float { data: master, .. } = &host.master else {
-                        unreachable!("host masters are float buffers")
-                    };
-                    *slot.param = backend.upload(master, backend.kind(slot.param))?;
-                    if let Some(compute) = slot.compute {
-                        backend.copy(compute, slot.param)?;
-                    }
-                    Ok(())
-                })?
-            }
+            OptimizerState::Host { params, .. } => self.model.visit_params(&mut |name, slot| {
+                let host = params.get_mut(name).ok_or_else(|| {
+                    ModelError::Input(format!("no host master weights for `{name}`"))
+                })?;
+                let len = host.master.len();
+                let moments = host.moments.get_or_insert_with(|| Moments {
+                    m: vec![0.0; len],
+                    v: vec![0.0; len],
+                });
+                backend.adamw_host(
+                    slot.param,
+                    slot.grad,
+                    &mut host.master,
+                    &mut moments.m,
+                    &mut moments.v,
+                    hp,
+                )?;
+                if let Some(compute) = slot.compute {
+                    backend.copy(compute, slot.param)?;
+                }
+                Ok(())
+            })?,
         }
         self.model.zero_grad()?;
         Ok(StepOutcome {
@@ -352,12 +325,8 @@ impl<B: Backend> Policy<B> {
         let mut weights = self.model.to_host_weights()?;
         if let OptimizerState::Host { params, .. } = &self.state {
             for (name, tensor) in weights.iter_mut() {
-                if let Some(HostParam {
-                    master: CpuBuf::Float { data, .. },
-                    ..
-                }) = params.get(name)
-                {
-                    tensor.data.clone_from(data);
+                if let Some(param) = params.get(name) {
+                    tensor.data.clone_from(&param.master);
                 }
             }
         }
@@ -410,11 +379,7 @@ impl<B: Backend> Policy<B> {
             }
             OptimizerState::Host { params, .. } => {
                 for (name, param) in params {
-                    if let Some(Moments {
-                        m: CpuBuf::Float { data: m, .. },
-                        v: CpuBuf::Float { data: v, .. },
-                    }) = &param.moments
-                    {
+                    if let Some(Moments { m, v }) = &param.moments {
                         insert(name, EXP_AVG, m.clone());
                         insert(name, EXP_AVG_SQ, v.clone());
                     }
@@ -528,27 +493,12 @@ impl<B: Backend> Policy<B> {
                     device.insert(name, state);
                 }
                 OptimizerState::Host { params, .. } => {
-                    let float = |data| CpuBuf::Float {
-                        data,
-                        kind: BufKind::Full,
-                    };
                     let param = params.get_mut(&name).expect("a trainable parameter");
-                    param.moments = Some(Moments {
-                        m: float(m),
-                        v: float(v),
-                    });
+                    param.moments = Some(Moments { m, v });
                 }
             }
         }
         Ok(policy)
-    }
-}
-
-/// Elements of a host buffer.
-fn grad_len(buf: &CpuBuf<f32>) -> usize {
-    match buf {
-        CpuBuf::Float { data, .. } => data.len(),
-        CpuBuf::Index(data) => data.len(),
     }
 }
 

@@ -238,6 +238,18 @@ fn the_host_optimizer_on_cuda_updates_as_the_device_optimizer_does() {
         (7..30).map(|i| i * 3 % VOCAB as u32).collect(),
     ])
     .unwrap();
+    let worst_gap = |device: &Policy<CudaBackend>, host: &Policy<CudaBackend>| {
+        let device_weights = device.master_weights_to_host().unwrap();
+        let host_weights = host.master_weights_to_host().unwrap();
+        let mut worst: f64 = 0.0;
+        for (name, a) in &device_weights {
+            for (x, y) in a.data.iter().zip(&host_weights[name].data) {
+                worst = worst.max(f64::from((x - y).abs()));
+            }
+        }
+        worst
+    };
+    let mut gaps = Vec::new();
     for step in 0..3 {
         let (a, b) = (nll_step(&mut device, &batch), nll_step(&mut host, &batch));
         // The gradients come from bf16 weights that may round differently after a step.
@@ -248,18 +260,14 @@ fn the_host_optimizer_on_cuda_updates_as_the_device_optimizer_does() {
             a.grad_norm,
             b.grad_norm
         );
+        gaps.push(worst_gap(&device, &host));
     }
-    let device_weights = device.master_weights_to_host().unwrap();
-    let host_weights = host.master_weights_to_host().unwrap();
-    let mut worst: f64 = 0.0;
-    for (name, a) in &device_weights {
-        let b = &host_weights[name];
-        for (x, y) in a.data.iter().zip(&b.data) {
-            worst = worst.max(f64::from((x - y).abs()));
-        }
-    }
-    eprintln!("host vs device optimizer on CUDA, 3 steps: max |Δ master weight| {worst:.3e}");
-    // lr 1e-3 over 3 steps moves weights by up to 3e-3; the placements differ by f32 and
-    // bf16-forward rounding, far below that.
-    assert!(worst < 1e-4, "max |Δ| {worst}");
+    eprintln!("host vs device optimizer on CUDA, max |Δ master weight| after steps 1-3: {gaps:?}");
+    // The first step starts from the same weights and gradients: the two placements run
+    // one update rule and differ by f32 rounding only (lr 1e-3 moves a weight by ~1e-3).
+    assert!(gaps[0] < 1e-6, "step 1: max |Δ| {}", gaps[0]);
+    // Later gradients come from bf16 weights that may round apart, and AdamW moves a
+    // weight whose gradient is near zero by about lr whatever its size, so such a weight
+    // may differ by up to 2 lr a step.
+    assert!(gaps[2] < 4e-3, "step 3: max |Δ| {}", gaps[2]);
 }
