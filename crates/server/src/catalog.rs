@@ -1,12 +1,13 @@
 //! The base models a server offers: each `--model NAME=PATH` maps the `base_model` string
-//! clients send (e.g. `Qwen/Qwen3-0.6B`) to a Hugging Face folder, or to `embedded:tiny`,
-//! a small random Qwen3-shape model for tests and demos.
+//! clients send (e.g. `Qwen/Qwen3-0.6B`) to a Hugging Face folder, or to an embedded model
+//! (`embedded:tiny`, `embedded:1.7B`, ...): random weights of a Qwen3 shape over a small
+//! tokenizer, for tests, demos and benchmarks.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use floe_engine::ModelSource;
-use floe_model::embedded::{embedded_model_config, EMBEDDED_TINY, EMBEDDED_VOCAB_SIZE};
+use floe_model::embedded::{embedded_model, is_embedded, EMBEDDED_VOCAB_SIZE};
 use floe_model::tokenizer::{train_bpe, Tokenizer, QWEN3_SPECIAL_TOKENS};
 use floe_model::ModelConfig;
 
@@ -23,8 +24,8 @@ const EMBEDDED_TOKENIZER_TEXT: &[&str] = &[
 pub enum BaseWeights {
     /// A Hugging Face folder.
     Dir(PathBuf),
-    /// The embedded tiny model with random weights from this seed.
-    EmbeddedTiny,
+    /// An embedded model (`embedded:<shape>`): random weights from seed 0.
+    Embedded(String),
 }
 
 /// A base model, loaded into the pieces an engine is built from.
@@ -40,8 +41,8 @@ pub struct LoadedBase {
 impl BaseWeights {
     /// Parses the `PATH` of `--model NAME=PATH`.
     pub fn parse(path: &str) -> Self {
-        if path == EMBEDDED_TINY {
-            BaseWeights::EmbeddedTiny
+        if is_embedded(path) {
+            BaseWeights::Embedded(path.to_string())
         } else {
             BaseWeights::Dir(PathBuf::from(path))
         }
@@ -60,14 +61,16 @@ impl BaseWeights {
                     config,
                 })
             }
-            BaseWeights::EmbeddedTiny => {
+            BaseWeights::Embedded(path) => {
                 let tokenizer = train_bpe(
                     EMBEDDED_TOKENIZER_TEXT,
                     EMBEDDED_VOCAB_SIZE,
                     &QWEN3_SPECIAL_TOKENS,
                 )
                 .map_err(|e| format!("embedded tokenizer: {e}"))?;
-                let config = embedded_model_config(&tokenizer);
+                let config = embedded_model(path, &tokenizer)
+                    .map_err(|e| e.to_string())?
+                    .expect("parsed as embedded");
                 Ok(LoadedBase {
                     source: ModelSource::Random {
                         config: config.clone(),
@@ -84,7 +87,7 @@ impl BaseWeights {
     pub fn describe(&self) -> String {
         match self {
             BaseWeights::Dir(dir) => dir.display().to_string(),
-            BaseWeights::EmbeddedTiny => EMBEDDED_TINY.to_string(),
+            BaseWeights::Embedded(path) => path.clone(),
         }
     }
 }
@@ -127,6 +130,17 @@ impl Catalog {
         Ok(Self { models })
     }
 
+    /// Reads every model's shape and tokenizer, so a bad `--model` fails when the server
+    /// starts (naming it), not when a client first asks for it.
+    pub fn check(&self) -> Result<(), String> {
+        for (name, weights) in &self.models {
+            weights
+                .load()
+                .map_err(|e| format!("--model {name}={}: {e}", weights.describe()))?;
+        }
+        Ok(())
+    }
+
     /// The model named `name`.
     pub fn get(&self, name: &str) -> Result<&BaseWeights, String> {
         self.models.get(name).ok_or_else(|| {
@@ -161,7 +175,7 @@ impl Catalog {
                         dirs.push((name.clone(), model_dir.clone()));
                     }
                 }
-                BaseWeights::EmbeddedTiny => {
+                BaseWeights::Embedded(_) => {
                     let out = dir.join(name);
                     let loaded = weights.load()?;
                     let tokenizer = loaded
@@ -175,5 +189,31 @@ impl Catalog {
             }
         }
         Ok(dirs)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_model_is_checked_at_start_and_a_bad_one_is_named() {
+        let good =
+            Catalog::from_specs(&["Qwen/Qwen3-1.7B=embedded:1.7B", "tiny=embedded:tiny"]).unwrap();
+        good.check().unwrap();
+        let shape = good.get("Qwen/Qwen3-1.7B").unwrap().load().unwrap().config;
+        assert_eq!((shape.hidden_size, shape.num_hidden_layers), (2048, 28));
+
+        let missing = Catalog::from_specs(&["tiny=embedded:tiny", "q=/no/such/model"]).unwrap();
+        let err = missing.check().unwrap_err();
+        assert!(err.contains("--model q=/no/such/model"), "{err}");
+        assert!(err.contains("config.json"), "{err}");
+
+        let unknown = Catalog::from_specs(&["big=embedded:huge"]).unwrap();
+        let err = unknown.check().unwrap_err();
+        assert!(
+            err.contains("--model big=embedded:huge") && err.contains("32B"),
+            "{err}"
+        );
     }
 }

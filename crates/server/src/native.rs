@@ -260,14 +260,14 @@ fn prepare(native: &Native, engine_dir: &Path, model: ModelSpec) -> Result<Prepa
                 .map_err(|e| internal(&format!("base model {name:?}"), e))?;
             let tokenizer_files = match (weights, &base.tokenizer) {
                 (BaseWeights::Dir(dir), _) => read_tokenizer_files(dir)?,
-                (BaseWeights::EmbeddedTiny, Some(tokenizer)) => {
+                (BaseWeights::Embedded(_), Some(tokenizer)) => {
                     let dir = engine_dir.join("tokenizer");
                     tokenizer
                         .save_dir(&dir)
                         .map_err(|e| internal("saving the tokenizer", e))?;
                     read_tokenizer_files(&dir)?
                 }
-                (BaseWeights::EmbeddedTiny, None) => BTreeMap::new(),
+                (BaseWeights::Embedded(_), None) => BTreeMap::new(),
             };
             Ok(Prepared {
                 source: base.source,

@@ -18,8 +18,9 @@ const API_KEYS_ENV: &str = "FLOE_API_KEYS";
 #[derive(clap::Args)]
 pub struct Args {
     /// A base model clients may train: `NAME=PATH`, where NAME is the `base_model` string
-    /// clients send (e.g. `Qwen/Qwen3-0.6B`) and PATH a Hugging Face folder or
-    /// `embedded:tiny` (a small random model). Repeat for several.
+    /// clients send (e.g. `Qwen/Qwen3-0.6B`) and PATH a Hugging Face folder or an
+    /// embedded model (`embedded:tiny`, `embedded:1.7B`, ...: random weights of that
+    /// shape). Every model is checked at start. Repeat for several.
     #[arg(long = "model", value_name = "NAME=PATH", required = true)]
     models: Vec<String>,
     /// Address to listen on.
@@ -65,6 +66,7 @@ pub struct Args {
 /// Runs `floe serve` until the process is stopped.
 pub fn run(args: Args) -> anyhow::Result<()> {
     let catalog = Catalog::from_specs(&args.models).map_err(anyhow::Error::msg)?;
+    catalog.check().map_err(anyhow::Error::msg)?;
     let auth = auth(&args)?;
     // Clients tokenize (the cookbook looks tokenizers up by model name), so say where
     // each served model's tokenizer loads from.
