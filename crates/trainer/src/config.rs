@@ -423,6 +423,12 @@ pub struct ModelSection {
     pub path: String,
     /// `[model.chat_template]`: options passed to the chat template.
     pub chat_template: ChatTemplateOptions,
+    /// `[model.lora]`: train low-rank adapters on a frozen base instead of every weight.
+    pub lora: LoraSection,
+    /// Start a folder's shape (its `config.json`) from random normal(0, 0.02) weights
+    /// instead of its safetensors: the real model's size before its weights are at hand.
+    /// Its `tokenizer.json` is used when the folder has one, else the embedded tokenizer.
+    pub random_weights: bool,
 }
 
 impl Default for ModelSection {
@@ -430,7 +436,66 @@ impl Default for ModelSection {
         Self {
             path: "embedded:tiny".into(),
             chat_template: ChatTemplateOptions::default(),
+            lora: LoraSection::default(),
+            random_weights: false,
         }
+    }
+}
+
+impl ModelSection {
+    /// Whether the run trains its own tokenizer on the task (saved in the run directory):
+    /// an embedded model, or random weights of a folder that has no `tokenizer.json`.
+    pub fn uses_embedded_tokenizer(&self) -> bool {
+        floe_model::embedded::is_embedded(&self.path)
+            || (self.random_weights
+                && !std::path::Path::new(&self.path)
+                    .join("tokenizer.json")
+                    .is_file())
+    }
+}
+
+/// `[model.lora]`: LoRA adapters (Tinker's and PEFT's meaning), on by a positive rank.
+/// The base stays frozen in compute precision; checkpoints hold only the adapters, as
+/// a PEFT folder.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct LoraSection {
+    /// Rank of every adapter; 0 trains the full weights.
+    pub rank: usize,
+    /// The low-rank term is multiplied by `alpha / rank`.
+    pub alpha: f32,
+    /// Target modules: adapters on the attention projections (q, k, v, o).
+    pub train_attn: bool,
+    /// Adapters on the MLP projections (gate, up, down).
+    pub train_mlp: bool,
+    /// An adapter on the lm-head.
+    pub train_unembed: bool,
+}
+
+impl Default for LoraSection {
+    fn default() -> Self {
+        Self {
+            rank: 0,
+            alpha: floe_model::lora::DEFAULT_LORA_ALPHA,
+            train_attn: true,
+            train_mlp: true,
+            train_unembed: true,
+        }
+    }
+}
+
+impl LoraSection {
+    /// The adapters to train (their A matrices drawn from `seed`), or `None` for
+    /// full-parameter training.
+    pub fn adapters(&self, seed: u64) -> Option<floe_model::lora::LoraConfig> {
+        (self.rank > 0).then_some(floe_model::lora::LoraConfig {
+            rank: self.rank,
+            alpha: self.alpha,
+            train_attn: self.train_attn,
+            train_mlp: self.train_mlp,
+            train_unembed: self.train_unembed,
+            seed,
+        })
     }
 }
 
@@ -1036,6 +1101,22 @@ impl Config {
                 "environment.sql.timeout_s is {}; it must be a positive number of seconds",
                 self.environment.sql.timeout_s
             ));
+        }
+        let lora = &self.model.lora;
+        if lora.rank > 0 {
+            if !(lora.alpha.is_finite() && lora.alpha > 0.0) {
+                problems.push(format!(
+                    "model.lora.alpha is {}; it must be positive",
+                    lora.alpha
+                ));
+            }
+            if !(lora.train_attn || lora.train_mlp || lora.train_unembed) {
+                problems.push(
+                    "model.lora.train_attn, train_mlp and train_unembed are all false: with \
+                     model.lora.rank > 0 nothing would train"
+                        .into(),
+                );
+            }
         }
     }
 

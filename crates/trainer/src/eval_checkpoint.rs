@@ -4,9 +4,8 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use floe_engine::{AnyLocalEngine, ModelSource};
+use floe_engine::{saved_weights_source, AnyLocalEngine};
 use floe_model::chat_template::ChatTemplate;
-use floe_model::embedded::is_embedded;
 use floe_model::tokenizer::Tokenizer;
 
 use crate::checkpoint::{
@@ -18,7 +17,7 @@ use crate::error::{Error, Result};
 use crate::eval::{evaluate, write_records, EvalSpec, EVALS_DIR};
 use crate::rollout::engine_sampling_params;
 use crate::run::rollouts_for;
-use crate::setup::{engine_options, TOKENIZER_DIR};
+use crate::setup::{base_source, engine_options, TOKENIZER_DIR};
 
 /// What `floe eval` evaluates and where it writes.
 #[derive(Clone, Debug)]
@@ -72,7 +71,7 @@ pub fn eval_checkpoint(request: &EvalRequest) -> Result<EvalReport> {
         .to_path_buf();
     let config = Config::load(Some(&run_dir.join(EFFECTIVE_CONFIG_FILE)), &[])?;
     let state = load_trainer_state(&checkpoint)?;
-    let tokenizer = if is_embedded(&config.model.path) {
+    let tokenizer = if config.model.uses_embedded_tokenizer() {
         Tokenizer::from_dir(run_dir.join(TOKENIZER_DIR))?
     } else {
         Tokenizer::from_dir(&config.model.path)?
@@ -96,7 +95,10 @@ pub fn eval_checkpoint(request: &EvalRequest) -> Result<EvalReport> {
         ));
     }
     let mut engine = AnyLocalEngine::open(
-        ModelSource::Dir(floe_engine::saved_model_dir(&checkpoint.join(ENGINE_DIR))),
+        saved_weights_source(
+            &checkpoint.join(ENGINE_DIR),
+            base_source(&config, &tokenizer)?,
+        ),
         Some(tokenizer.clone()),
         engine_options(&config),
     )?;

@@ -33,6 +33,20 @@ pub fn connect_for_run(
     train_rows: &[Row],
     fresh: bool,
 ) -> Result<(Tokenizer, ChatTemplate, RemoteEngine)> {
+    if config.model.lora.rank > 0 {
+        return Err(Error::Data(
+            "model.lora.rank > 0 with engine.remote: the native API creates full-parameter \
+             engines only (LoRA over HTTP is the Tinker API's); train LoRA locally"
+                .into(),
+        ));
+    }
+    if config.model.random_weights && !is_embedded(&config.model.path) {
+        return Err(Error::Data(
+            "model.random_weights with engine.remote: the server names its base models \
+             (`floe serve --model NAME=embedded:<shape>` serves random weights of a shape)"
+                .into(),
+        ));
+    }
     let api_key = std::env::var(API_KEY_ENV)
         .ok()
         .filter(|key| !key.is_empty());

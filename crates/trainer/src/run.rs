@@ -113,11 +113,21 @@ pub fn train(config: &Config) -> Result<RunOutcome> {
         return run_loop(&mut engine, config, inputs);
     }
     let setup = model_setup(config, &run_dir, &train_rows, fresh)?;
+    let opening = Instant::now();
     let mut engine = AnyLocalEngine::open(
         setup.source,
         Some(setup.tokenizer.clone()),
         engine_options(config),
     )?;
+    let plan = engine.memory_plan();
+    if plan.budget_bytes.is_some() {
+        // A GPU run: what it holds, before the first step (the CPU has no budget to show).
+        println!(
+            "engine on {} ready in {:.1}s\n{plan}",
+            config.engine.device,
+            opening.elapsed().as_secs_f64()
+        );
+    }
     let inputs = RunInputs {
         tokenizer: setup.tokenizer,
         template: setup.template,

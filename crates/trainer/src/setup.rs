@@ -5,12 +5,12 @@ use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
 use floe_engine::policy::OptimizerPlacement;
-use floe_engine::{LocalEngineOptions, MemoryPlan, ModelSource, PlanInputs};
+use floe_engine::{AdapterSource, LocalEngineOptions, MemoryPlan, ModelSource, PlanInputs};
 use floe_env::dataset::Row;
 use floe_model::chat_template::ChatTemplate;
 use floe_model::embedded::{
-    embedded_model, is_embedded, train_embedded_tokenizer, UnknownEmbeddedModel, EMBEDDED_PREFIX,
-    EMBEDDED_VOCAB_SIZE,
+    embedded_model, is_embedded, over_embedded_tokenizer, train_embedded_tokenizer,
+    UnknownEmbeddedModel, EMBEDDED_PREFIX, EMBEDDED_VOCAB_SIZE,
 };
 use floe_model::tokenizer::Tokenizer;
 use floe_model::ModelConfig;
@@ -79,7 +79,13 @@ pub fn model_setup(
     fresh: bool,
 ) -> Result<ModelSetup> {
     let path = &config.model.path;
-    let (tokenizer, source) = if is_embedded(path) {
+    if !is_embedded(path) && !config.model.random_weights && !has_weights(Path::new(path)) {
+        return Err(Error::Data(format!(
+            "{path}: no model.safetensors or model.safetensors.index.json; to train this \
+             shape from random weights, set model.random_weights = true"
+        )));
+    }
+    let (tokenizer, source) = if config.model.uses_embedded_tokenizer() {
         let tokenizer_dir = run_dir.join(TOKENIZER_DIR);
         if fresh && tokenizer_dir.exists() {
             std::fs::remove_dir_all(&tokenizer_dir).map_err(|source| Error::Io {
@@ -89,27 +95,66 @@ pub fn model_setup(
         }
         let labelled = labelled_rows(config, train_rows.iter())?;
         let tokenizer = embedded_tokenizer(run_dir, train_rows, &labelled)?;
-        let model = embedded_model(path, &tokenizer)
-            .map_err(|e| Error::Data(e.to_string()))?
-            .expect("an embedded path");
-        config.validate_context_length(model.max_position_embeddings)?;
-        let source = ModelSource::Random {
-            config: model,
-            seed: config.trainer.seed,
-        };
+        let source = base_source(config, &tokenizer)?;
         (tokenizer, source)
     } else {
-        (
-            Tokenizer::from_dir(path)?,
-            ModelSource::Dir(PathBuf::from(path)),
-        )
+        let tokenizer = Tokenizer::from_dir(path)?;
+        let source = base_source(config, &tokenizer)?;
+        (tokenizer, source)
     };
     let template = ChatTemplate::from_tokenizer(&tokenizer)?.unwrap_or_else(ChatTemplate::qwen3);
     Ok(ModelSetup {
         tokenizer,
         template,
-        source,
+        source: with_adapters(config, source),
     })
+}
+
+/// The weights a run starts from, before any adapters: a Hugging Face folder; for
+/// `embedded:<shape>` random weights of that shape over `tokenizer` (the run's); with
+/// `model.random_weights`, random weights of the folder's shape (over the embedded
+/// `tokenizer` when the folder has none).
+pub fn base_source(config: &Config, tokenizer: &Tokenizer) -> Result<ModelSource> {
+    let path = &config.model.path;
+    let random = match embedded_model(path, tokenizer).map_err(|e| Error::Data(e.to_string()))? {
+        Some(model) => Some(model),
+        None if config.model.random_weights => {
+            let model = ModelConfig::from_hf_file(Path::new(path).join("config.json"))
+                .map_err(|e| Error::Data(e.to_string()))?;
+            Some(if config.model.uses_embedded_tokenizer() {
+                over_embedded_tokenizer(model, tokenizer)
+            } else {
+                model
+            })
+        }
+        None => None,
+    };
+    match random {
+        Some(model) => {
+            config.validate_context_length(model.max_position_embeddings)?;
+            Ok(ModelSource::Random {
+                config: model,
+                seed: config.trainer.seed,
+            })
+        }
+        None => Ok(ModelSource::Dir(PathBuf::from(path))),
+    }
+}
+
+/// Whether a model folder holds safetensors weights (one file or an index of shards).
+fn has_weights(dir: &Path) -> bool {
+    dir.join("model.safetensors").is_file() || dir.join("model.safetensors.index.json").is_file()
+}
+
+/// `base` with fresh adapters on it when `model.lora.rank` asks for them.
+pub fn with_adapters(config: &Config, base: ModelSource) -> ModelSource {
+    match config.model.lora.adapters(config.trainer.seed) {
+        Some(adapters) => ModelSource::Lora {
+            base: Box::new(base),
+            adapters: AdapterSource::Fresh(adapters),
+        },
+        None => base,
+    }
 }
 
 /// Which of the training rows the warm start learns from (none when `sft.enabled` is
@@ -182,14 +227,21 @@ pub fn memory_plan(config: &Config, device_bytes: Option<usize>) -> Result<Memor
             model.vocab_size = EMBEDDED_VOCAB_SIZE;
             model
         }
-        None => ModelConfig::from_hf_file(Path::new(path).join("config.json"))
-            .map_err(|e| Error::Data(e.to_string()))?,
+        None => {
+            let mut model = ModelConfig::from_hf_file(Path::new(path).join("config.json"))
+                .map_err(|e| Error::Data(e.to_string()))?;
+            if config.model.uses_embedded_tokenizer() {
+                model.vocab_size = EMBEDDED_VOCAB_SIZE;
+            }
+            model
+        }
     };
     let options = engine_options(config);
+    let lora = config.model.lora.adapters(config.trainer.seed);
     Ok(MemoryPlan::new(&PlanInputs {
         model: &model,
         base_resident: false,
-        lora: None,
+        lora: lora.as_ref(),
         device: options.device,
         placement: options.optimizer_placement,
         recompute: options.recompute,

@@ -7,6 +7,7 @@ use floe_trainer::checkpoint::{load_trainer_state, CHECKPOINTS_DIR, LATEST_FILE}
 use floe_trainer::eval_checkpoint::{eval_checkpoint, EvalRequest};
 use floe_trainer::outputs::metrics::read_metrics;
 use floe_trainer::run::train;
+use floe_trainer::setup::TOKENIZER_DIR;
 use floe_trainer::Config;
 
 /// The embedded recipe shrunk to seconds on a 2-core CPU.
@@ -181,4 +182,122 @@ fn a_cap_on_a_database_no_row_has_is_an_error() {
     let config = Config::load(None, &overrides).unwrap();
     let err = train(&config).unwrap_err().to_string();
     assert!(err.contains("`scool`") && err.contains("school"), "{err}");
+}
+
+#[test]
+fn a_lora_run_trains_adapters_checkpoints_only_them_and_resumes() {
+    let dir = tempfile::tempdir().unwrap();
+    let run_dir = dir.path().join("run");
+    let mut overrides = tiny_overrides(&run_dir);
+    overrides.extend([
+        "trainer.max_training_steps=1".to_string(),
+        "trainer.eval_before_train=false".into(),
+        "model.lora.rank=4".into(),
+        "model.lora.train_unembed=false".into(),
+    ]);
+    let config = Config::load(None, &overrides).unwrap();
+    train(&config).unwrap();
+    let engine = run_dir.join(CHECKPOINTS_DIR).join("global_step_1/engine");
+    let adapter: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(engine.join("adapter/adapter_config.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(adapter["r"], 4);
+    let targets = adapter["target_modules"].to_string();
+    assert!(targets.contains("q_proj") && targets.contains("down_proj"));
+    assert!(
+        !targets.contains("lm_head"),
+        "train_unembed=false: {targets}"
+    );
+    assert!(
+        !engine.join("model").exists(),
+        "a LoRA checkpoint holds the adapters, not the frozen base"
+    );
+
+    // Two steps in all: the run resumes from its step-1 adapters and takes one more.
+    // (The embedded recipe starts fresh each time; this run asks to resume.)
+    overrides.extend([
+        "trainer.max_training_steps=2".into(),
+        "trainer.resume=latest".into(),
+    ]);
+    let outcome = train(&Config::load(None, &overrides).unwrap()).unwrap();
+    assert!(outcome.resumed_from.unwrap().ends_with("global_step_1"));
+    let records = read_metrics(&run_dir.join("metrics.jsonl")).unwrap();
+    // The SFT warm-up trained the adapters (the untrained model's RL rewards are all
+    // zero, so its RL gradients are too); the resumed run logged its second step.
+    assert!(records
+        .iter()
+        .any(|r| r.metrics.get("sft/grad_norm").is_some_and(|g| *g > 0.0)));
+    assert!(records.iter().any(|r| r.step == 2));
+
+    // `floe eval` puts the adapters back on the run's base.
+    let report = eval_checkpoint(&EvalRequest {
+        target: run_dir.clone(),
+        data: None,
+        n: Some(1),
+        temperature: None,
+        out: Some(dir.path().join("eval.jsonl")),
+    })
+    .unwrap();
+    assert!(report.checkpoint.ends_with("global_step_2"));
+}
+
+#[test]
+fn a_folder_with_only_a_config_trains_from_random_weights_when_asked() {
+    let dir = tempfile::tempdir().unwrap();
+    let model_dir = dir.path().join("Qwen3-shape");
+    std::fs::create_dir(&model_dir).unwrap();
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../model/tests/fixtures/qwen3_tiny/config.json");
+    let mut shape: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture).unwrap()).unwrap();
+    shape["max_position_embeddings"] = 2048.into();
+    std::fs::write(model_dir.join("config.json"), shape.to_string()).unwrap();
+
+    let run_dir = dir.path().join("run");
+    let mut overrides = tiny_overrides(&run_dir);
+    overrides.extend([
+        format!("model.path={}", model_dir.display()),
+        "trainer.max_training_steps=1".into(),
+        "trainer.eval_before_train=false".into(),
+    ]);
+    // Without the option, the missing weights are named with the knob.
+    let err = train(&Config::load(None, &overrides).unwrap())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("no model.safetensors") && err.contains("model.random_weights = true"),
+        "{err}"
+    );
+
+    // With it: the folder's shape over the run's own tokenizer (the folder has none).
+    overrides.push("model.random_weights=true".into());
+    train(&Config::load(None, &overrides).unwrap()).unwrap();
+    assert!(run_dir.join(TOKENIZER_DIR).join("tokenizer.json").is_file());
+    let records = read_metrics(&run_dir.join("metrics.jsonl")).unwrap();
+    assert!(records.iter().any(|r| r.step == 1));
+    let saved: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(
+            run_dir
+                .join(CHECKPOINTS_DIR)
+                .join("global_step_1/engine/model/config.json"),
+        )
+        .unwrap(),
+    )
+    .unwrap();
+    assert_eq!(saved["hidden_size"], 64);
+    assert_eq!(saved["num_hidden_layers"], 2);
+}
+
+#[test]
+fn a_lora_config_that_trains_nothing_is_refused() {
+    let overrides = [
+        "model.lora.rank=8".to_string(),
+        "model.lora.train_attn=false".into(),
+        "model.lora.train_mlp=false".into(),
+        "model.lora.train_unembed=false".into(),
+    ];
+    let config = Config::load(None, &overrides).unwrap();
+    let err = config.validate().unwrap_err().to_string();
+    assert!(err.contains("nothing would train"), "{err}");
 }

@@ -107,7 +107,7 @@ fn sft_groups_sharing_a_prompt_prefix_train_like_single_examples() {
 }
 
 #[test]
-fn every_recipe_validates_and_the_8b_recipe_fits_an_80_gb_card_with_a_host_optimizer() {
+fn every_recipe_validates_8b_fits_an_80_gb_card_with_a_host_optimizer_and_32b_lora_an_h200() {
     let recipes = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../recipes");
     for entry in std::fs::read_dir(&recipes).unwrap() {
         let path = entry.unwrap().path();
@@ -133,4 +133,22 @@ fn every_recipe_validates_and_the_8b_recipe_fits_an_80_gb_card_with_a_host_optim
         .unwrap_err()
         .to_string();
     assert!(err.contains("set engine.offload_optimizer = true"), "{err}");
+
+    // 32B: LoRA adapters on a frozen bf16 base fit an H200 (140 GiB as the card reports
+    // it); full parameters do not, and the refusal names LoRA.
+    let h200 = Some(140 << 30);
+    let recipe = recipes.join("qwen3-32b-bird.toml");
+    let load = |overrides: &[&str]| {
+        let overrides: Vec<String> = overrides.iter().map(|o| o.to_string()).collect();
+        floe_trainer::Config::load(Some(&recipe), &overrides).unwrap()
+    };
+    let plan = floe_trainer::setup::memory_plan(&load(&["model.path=embedded:32B"]), h200).unwrap();
+    plan.check().unwrap_or_else(|e| panic!("{e}\n{plan}"));
+    let config = load(&["model.path=embedded:32B", "model.lora.rank=0"]);
+    let err = floe_trainer::setup::memory_plan(&config, h200)
+        .unwrap()
+        .check()
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("model.lora.rank"), "{err}");
 }
