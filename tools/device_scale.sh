@@ -8,7 +8,12 @@
 #   grpo    5 GRPO steps of `floe train` at the 8B shape (embedded:8B: random weights over
 #           the embedded 1k-id tokenizer), full parameters, optimizer in host memory,
 #           8 prompts x 8 samples of up to 1024 new tokens, with the step-time breakdown
-#   plan    `floe plan` of the 1.7B and 8B recipes at this card's memory
+#   lora    3 GRPO steps of embedded:8B with rank-32 LoRA adapters on a frozen bf16 base
+#   lora32  the same at the 32B shape (an H200; not in the default PARTS)
+#   long    long sequences: the 4B shape with 8 x 4096 tokens (first with the optimizer
+#           on the device, which the memory plan should refuse, then in host memory),
+#           and the 1.7B shape with one 32768-token sequence
+#   plan    `floe plan` of the 1.7B, 8B and 32B recipes at this card's memory
 #
 # Prepare here (no GPU needed), from the repository root:
 #   CARGO_TARGET_DIR=target-cuda cargo build --release -p floe-cli --features cuda
@@ -22,7 +27,7 @@
 cd "$(dirname "$0")"
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64 PYTHONUNBUFFERED=1 RUST_LOG=warn
 LIMIT=${LIMIT:-560}
-PARTS=${PARTS:-tests bench grpo plan}
+PARTS=${PARTS:-tests bench grpo lora long plan}
 L=${OUT:-.}/scale.log
 T0=$(date +%s)
 elapsed() { echo $(( $(date +%s) - T0 )); }
@@ -43,7 +48,8 @@ nvidia-smi --query-gpu=name,memory.total --format=csv | tee -a "$L"
 free -g | head -2 | tee -a "$L"
 if part tests; then
   for t in cuda_ops cuda_transformer cuda; do
-    [ -x "$t" ] && TAIL=25 run 120 ./"$t" --test-threads=1 --nocapture
+    # TESTS_FILTER runs only the tests whose names contain it.
+    [ -x "$t" ] && TAIL=25 run 120 ./"$t" --test-threads=1 --nocapture ${TESTS_FILTER:-}
   done
 fi
 if part bench; then
@@ -51,14 +57,14 @@ if part bench; then
   TAIL=30 run 100 ./floe bench train --device cuda:0 --model 1.7B --batch 8 --seq 2048 --iters 3 --warmup 1
   kill "$w"; peak b17
   w=$(gpu_watch b8)
-  TAIL=30 run 200 ./floe bench train --device cuda:0 --model 8B --batch 8 --seq 2048 --iters 2 --warmup 1 \
+  TAIL=30 run 200 ./floe bench train --device cuda:0 --model 8B --batch 8 --seq 2048 --iters 3 --warmup 1 \
     --offload-optimizer
   kill "$w"; peak b8
 fi
 if part grpo; then
   mkdir -p runs
   w=$(gpu_watch g8)
-  TAIL=30 run 330 ./floe train embedded.toml engine.device=cuda:0 engine.recompute=true \
+  TAIL=30 run "${GRPO_SECS:-400}" ./floe train embedded.toml engine.device=cuda:0 engine.recompute=true \
     engine.offload_optimizer=true engine.memory_fraction=0.92 model.path=embedded:8B sft.enabled=false \
     trainer.logger=[] trainer.run_dir=runs/g8B trainer.max_training_steps=5 trainer.eval_before_train=false \
     trainer.eval_interval=-1 trainer.ckpt_interval=-1 trainer.train_batch_size=8 \
@@ -69,9 +75,37 @@ if part grpo; then
   kill "$w"; peak g8
   [ -f runs/g8B/metrics.jsonl ] && cp runs/g8B/metrics.jsonl "${OUT:-.}/g8B_metrics.jsonl"
 fi
+# GRPO with LoRA adapters on a frozen bf16 base: grpo_lora SIZE STEPS (8B on an H100,
+# 32B on an H200), the same batch as the grpo part.
+grpo_lora() {
+  mkdir -p runs
+  w=$(gpu_watch "l$1")
+  TAIL=30 run "$3" ./floe train embedded.toml engine.device=cuda:0 engine.recompute=true \
+    engine.memory_fraction=0.92 model.path=embedded:$1 model.lora.rank=32 sft.enabled=false \
+    trainer.logger=[] trainer.run_dir=runs/l$1 trainer.max_training_steps=$2 trainer.eval_before_train=false \
+    trainer.eval_interval=-1 trainer.ckpt_interval=-1 trainer.train_batch_size=8 \
+    trainer.policy_mini_batch_size=8 trainer.max_tokens_per_microbatch=8192 \
+    trainer.micro_forward_batch_size_per_gpu=64 generator.n_samples_per_prompt=8 \
+    generator.sampling_params.max_generate_length=1024 generator.eval_sampling_params.max_generate_length=1024 \
+    trainer.policy.optimizer_config.lr=1e-5
+  kill "$w"; peak "l$1"
+  [ -f "runs/l$1/metrics.jsonl" ] && cp "runs/l$1/metrics.jsonl" "${OUT:-.}/l$1_metrics.jsonl"
+}
+part lora && grpo_lora 8B 3 280
+part lora32 && grpo_lora 32B 3 520
+if part long; then
+  w=$(gpu_watch b4)
+  TAIL=30 run 60 ./floe bench train --device cuda:0 --model 4B --batch 8 --seq 4096 --iters 2 --warmup 1
+  TAIL=30 run 200 ./floe bench train --device cuda:0 --model 4B --batch 8 --seq 4096 --iters 2 --warmup 1 \
+    --offload-optimizer
+  kill "$w"; peak b4
+  w=$(gpu_watch b32k)
+  TAIL=30 run 120 ./floe bench train --device cuda:0 --model 1.7B --batch 1 --seq 32768 --iters 2 --warmup 1
+  kill "$w"; peak b32k
+fi
 if part plan; then
   gib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | awk '{print $1/1024}')
-  for r in qwen3-1.7b-bird qwen3-8b-bird; do
+  for r in qwen3-1.7b-bird qwen3-8b-bird qwen3-32b-bird; do
     size=${r#qwen3-}; size=${size%-bird}
     run 20 ./floe plan "$r.toml" model.path=embedded:${size^^} --gpu-memory-gib "$gib"
   done
