@@ -32,7 +32,7 @@ use floe_backend::{AdamW, Backend, BufKind};
 use floe_model::batch::{PackedBatch, TokenStats};
 use floe_model::lora::{self, ADAPTER_CONFIG_FILE};
 use floe_model::transformer::{ModelError, Transformer};
-use floe_model::weights::{self, HostTensor, SaveDType};
+use floe_model::weights::{self, HostTensor, SaveDType, TensorView};
 use floe_rl::optim::{clip_coef, should_skip_step};
 use serde::{Deserialize, Serialize};
 
@@ -98,8 +98,8 @@ struct HostParam {
 
 /// The optimizer state, keyed by HF tensor name, where [`OptimizerPlacement`] says.
 enum OptimizerState<B: Backend> {
-    /// Moments on the device, allocated on the first optimizer step; the masters are the
-    /// model's own Full weights.
+    /// Moments on the device, allocated by [`Policy::allocate_training_state`] or the
+    /// first optimizer step; the masters are the model's own Full weights.
     Device(BTreeMap<String, Moments<B::Buf>>),
     /// Masters and moments in host memory, updated there ([`Backend::adamw_host`]).
     Host { params: BTreeMap<String, HostParam> },
@@ -224,6 +224,27 @@ impl<B: Backend> Policy<B> {
         Ok(self.model.zero_grad()?)
     }
 
+    /// Allocates the gradients and, when the optimizer lives on the device, the AdamW
+    /// moments now rather than at the first step, so the device memory the engine's plan
+    /// counts is taken when it is built (another engine cannot take it meanwhile) and a
+    /// shortfall shows then.
+    pub fn allocate_training_state(&mut self) -> Result<()> {
+        if self.model.lora_config().is_none() && self.model.base_is_shared() {
+            // Full weights shared with other models are frozen: nothing here trains.
+            return Ok(());
+        }
+        let backend = Arc::clone(self.model.backend());
+        match &mut self.state {
+            OptimizerState::Device(moments) => self.model.visit_params(&mut |name, slot| {
+                device_moments(&*backend, moments, name, slot.param)?;
+                Ok(())
+            })?,
+            // Host moments are allocated at the first step (host memory, not the device's).
+            OptimizerState::Host { .. } => self.model.visit_params(&mut |_, _| Ok(()))?,
+        }
+        Ok(())
+    }
+
     /// Clips the global gradient norm, applies AdamW to every parameter and clears the
     /// gradients. A step whose norm is not finite changes no weight and no moment, is not
     /// counted, and still clears the gradients.
@@ -255,15 +276,7 @@ impl<B: Backend> Policy<B> {
         let backend = Arc::clone(self.model.backend());
         match &mut self.state {
             OptimizerState::Device(moments) => self.model.visit_params(&mut |name, slot| {
-                if !moments.contains_key(name) {
-                    let len = backend.len(slot.param);
-                    let state = Moments {
-                        m: backend.zeros(len, BufKind::Full)?,
-                        v: backend.zeros(len, BufKind::Full)?,
-                    };
-                    moments.insert(name.to_string(), state);
-                }
-                let state = moments.get_mut(name).expect("inserted above");
+                let state = device_moments(&*backend, moments, name, slot.param)?;
                 backend.adamw(
                     slot.param,
                     slot.grad,
@@ -333,6 +346,32 @@ impl<B: Backend> Policy<B> {
         Ok(weights)
     }
 
+    /// Writes the f32 master weights as a Hugging Face folder `dir`: from host memory
+    /// where a host optimizer keeps them (borrowed, not copied), else downloaded.
+    fn save_masters(&self, dir: &Path) -> Result<()> {
+        let config = self.model.config();
+        let OptimizerState::Host { params } = &self.state else {
+            let host = self.model.to_host_weights()?;
+            return Ok(weights::save_model_dir(dir, config, &host, SaveDType::F32)?);
+        };
+        let specs = weights::tensor_specs(config);
+        let mut views = BTreeMap::new();
+        for (name, shape) in &specs {
+            let param = params
+                .get(name)
+                .ok_or_else(|| ModelError::Input(format!("no host master weights for `{name}`")))?;
+            let data = &param.master;
+            views.insert(name.clone(), TensorView { shape, data });
+        }
+        Ok(weights::save_model_dir_views(
+            dir,
+            config,
+            &views,
+            SaveDType::F32,
+            weights::DEFAULT_MAX_SHARD_BYTES,
+        )?)
+    }
+
     /// Writes the state into `dir` (created if needed): the weights as an f32 Hugging
     /// Face folder under `dir/model` (exact, so a resumed run continues bit for bit) —
     /// or, for a LoRA policy, the adapters as an f32 PEFT folder under `dir/adapter` —,
@@ -355,38 +394,42 @@ impl<B: Backend> Policy<B> {
             }
             None => {
                 remove_dir_if_present(&dir.join(ADAPTER_DIR))?;
-                let host = self.master_weights_to_host()?;
-                weights::save_model_dir(
-                    dir.join(MODEL_DIR),
-                    self.model.config(),
-                    &host,
-                    SaveDType::F32,
-                )?;
+                self.save_masters(&dir.join(MODEL_DIR))?;
             }
         }
-        let backend = self.model.backend();
-        let mut tensors = BTreeMap::new();
-        let mut insert = |name: &str, suffix: &str, data: Vec<f32>| {
-            let shape = vec![data.len()];
-            tensors.insert(format!("{name}.{suffix}"), HostTensor { shape, data });
-        };
+        let optimizer_file = dir.join(OPTIMIZER_FILE);
         match &self.state {
             OptimizerState::Device(moments) => {
+                let backend = self.model.backend();
+                let mut tensors = BTreeMap::new();
                 for (name, state) in moments {
-                    insert(name, EXP_AVG, backend.download(&state.m)?);
-                    insert(name, EXP_AVG_SQ, backend.download(&state.v)?);
-                }
-            }
-            OptimizerState::Host { params, .. } => {
-                for (name, param) in params {
-                    if let Some(Moments { m, v }) = &param.moments {
-                        insert(name, EXP_AVG, m.clone());
-                        insert(name, EXP_AVG_SQ, v.clone());
+                    for (suffix, buf) in [(EXP_AVG, &state.m), (EXP_AVG_SQ, &state.v)] {
+                        let data = backend.download(buf)?;
+                        let shape = vec![data.len()];
+                        tensors.insert(format!("{name}.{suffix}"), HostTensor { shape, data });
                     }
                 }
+                weights::save_tensors(optimizer_file, &tensors)?;
+            }
+            // Written from where they live: a copy would double the host memory they take
+            // (52 GB at 8B).
+            OptimizerState::Host { params, .. } => {
+                let lengths: Vec<(&str, [usize; 1])> = params
+                    .iter()
+                    .map(|(name, param)| (name.as_str(), [param.master.len()]))
+                    .collect();
+                let mut tensors = BTreeMap::new();
+                for ((name, shape), param) in lengths.iter().zip(params.values()) {
+                    if let Some(Moments { m, v }) = &param.moments {
+                        for (suffix, data) in [(EXP_AVG, m), (EXP_AVG_SQ, v)] {
+                            let view = TensorView { shape, data };
+                            tensors.insert(format!("{name}.{suffix}"), view);
+                        }
+                    }
+                }
+                weights::save_tensor_views(optimizer_file, &tensors)?;
             }
         }
-        weights::save_tensors(dir.join(OPTIMIZER_FILE), &tensors)?;
         let meta = serde_json::to_string_pretty(&OptimizerMeta { step: self.step })
             .expect("optimizer meta serializes");
         write_atomically(&dir.join(OPTIMIZER_META), meta.as_bytes())
@@ -504,6 +547,24 @@ impl<B: Backend> Policy<B> {
 
 /// The step count of a saved state; its file is written last, so a missing one means
 /// no complete save.
+/// The device moments of parameter `name`, zeros of `param`'s length the first time.
+fn device_moments<'m, B: Backend>(
+    backend: &B,
+    moments: &'m mut BTreeMap<String, Moments<B::Buf>>,
+    name: &str,
+    param: &B::Buf,
+) -> floe_model::transformer::Result<&'m mut Moments<B::Buf>> {
+    if !moments.contains_key(name) {
+        let len = backend.len(param);
+        let state = Moments {
+            m: backend.zeros(len, BufKind::Full)?,
+            v: backend.zeros(len, BufKind::Full)?,
+        };
+        moments.insert(name.to_string(), state);
+    }
+    Ok(moments.get_mut(name).expect("inserted above"))
+}
+
 fn read_optimizer_meta(dir: &Path) -> Result<OptimizerMeta> {
     let meta_path = dir.join(OPTIMIZER_META);
     let meta_text = std::fs::read_to_string(&meta_path).map_err(|source| Error::Io {

@@ -23,7 +23,26 @@ pub struct HostTensor {
     pub data: Vec<f32>,
 }
 
+/// A tensor borrowed for writing: its shape and f32 values, wherever they live (a
+/// [`HostTensor`], or an optimizer's masters and moments in host memory, which a save
+/// must not copy: at 8B they are 78 GB).
+#[derive(Clone, Copy, Debug)]
+pub struct TensorView<'a> {
+    /// Dimensions, outermost first.
+    pub shape: &'a [usize],
+    /// `shape.iter().product()` values.
+    pub data: &'a [f32],
+}
+
 impl HostTensor {
+    /// The tensor borrowed for writing.
+    pub fn view(&self) -> TensorView<'_> {
+        TensorView {
+            shape: &self.shape,
+            data: &self.data,
+        }
+    }
+
     /// A tensor of `shape` holding `data`; `None` when the lengths disagree.
     pub fn new(shape: Vec<usize>, data: Vec<f32>) -> Option<Self> {
         (shape.iter().product::<usize>() == data.len()).then_some(Self { shape, data })
@@ -190,6 +209,11 @@ pub fn tensor_specs(config: &ModelConfig) -> Vec<(String, Vec<usize>)> {
 /// Checks that `weights` holds every tensor of [`tensor_specs`] with its shape and a
 /// matching data length. Extra tensors are allowed.
 pub fn check_weights(config: &ModelConfig, weights: &BTreeMap<String, HostTensor>) -> Result<()> {
+    check_views(config, &views(weights))
+}
+
+/// [`check_weights`] of borrowed tensors.
+fn check_views(config: &ModelConfig, weights: &BTreeMap<String, TensorView<'_>>) -> Result<()> {
     for (name, shape) in tensor_specs(config) {
         let t = weights
             .get(&name)
@@ -202,7 +226,7 @@ pub fn check_weights(config: &ModelConfig, weights: &BTreeMap<String, HostTensor
                 origin: "<weights>".into(),
                 tensor: name,
                 expected: shape,
-                got: t.shape.clone(),
+                got: t.shape.to_vec(),
             });
         }
     }
@@ -344,10 +368,18 @@ fn to_f32(dtype: Dtype, bytes: &[u8]) -> Option<Vec<f32>> {
     })
 }
 
-/// A [`HostTensor`] viewed as safetensors data of one dtype, encoded when written so
-/// that at most one tensor's bytes exist at a time.
+/// Borrowed views of `tensors`.
+fn views(tensors: &BTreeMap<String, HostTensor>) -> BTreeMap<String, TensorView<'_>> {
+    tensors
+        .iter()
+        .map(|(name, tensor)| (name.clone(), tensor.view()))
+        .collect()
+}
+
+/// A tensor viewed as safetensors data of one dtype, encoded when written so that at most
+/// one tensor's bytes exist at a time.
 struct Encoded<'a> {
-    tensor: &'a HostTensor,
+    tensor: TensorView<'a>,
     dtype: SaveDType,
 }
 
@@ -357,11 +389,11 @@ impl View for Encoded<'_> {
     }
 
     fn shape(&self) -> &[usize] {
-        &self.tensor.shape
+        self.tensor.shape
     }
 
     fn data(&self) -> std::borrow::Cow<'_, [u8]> {
-        let values = &self.tensor.data;
+        let values = self.tensor.data;
         let bytes: Vec<u8> = match self.dtype {
             SaveDType::F32 => values.iter().flat_map(|x| x.to_le_bytes()).collect(),
             SaveDType::BF16 if values.len() >= PARALLEL_ELEMENTS => values
@@ -404,8 +436,20 @@ pub fn save_model_dir_sharded(
     dtype: SaveDType,
     max_shard_bytes: usize,
 ) -> Result<()> {
+    save_model_dir_views(dir, config, &views(weights), dtype, max_shard_bytes)
+}
+
+/// [`save_model_dir_sharded`] of borrowed tensors: nothing is copied but one tensor's
+/// encoded bytes at a time.
+pub fn save_model_dir_views(
+    dir: impl AsRef<Path>,
+    config: &ModelConfig,
+    weights: &BTreeMap<String, TensorView<'_>>,
+    dtype: SaveDType,
+    max_shard_bytes: usize,
+) -> Result<()> {
     let dir = dir.as_ref();
-    check_weights(config, weights)?;
+    check_views(config, weights)?;
     std::fs::create_dir_all(dir).map_err(io_err(dir))?;
 
     // Greedy shards in canonical order; a tensor larger than the limit gets its own.
@@ -431,7 +475,7 @@ pub fn save_model_dir_sharded(
             (
                 name.to_string(),
                 Encoded {
-                    tensor: &weights[name],
+                    tensor: weights[name],
                     dtype,
                 },
             )
@@ -496,6 +540,14 @@ pub(crate) fn write_atomically(path: &Path, text: &str) -> Result<()> {
 /// Writes named f32 tensors (any names and shapes, e.g. optimizer moments) to one
 /// safetensors file, through a temporary sibling and a rename.
 pub fn save_tensors(path: impl AsRef<Path>, tensors: &BTreeMap<String, HostTensor>) -> Result<()> {
+    save_tensor_views(path, &views(tensors))
+}
+
+/// [`save_tensors`] of borrowed tensors.
+pub fn save_tensor_views(
+    path: impl AsRef<Path>,
+    tensors: &BTreeMap<String, TensorView<'_>>,
+) -> Result<()> {
     let path = path.as_ref();
     for (name, tensor) in tensors {
         if tensor.data.len() != tensor.shape.iter().product::<usize>() {
@@ -503,7 +555,7 @@ pub fn save_tensors(path: impl AsRef<Path>, tensors: &BTreeMap<String, HostTenso
                 origin: path.display().to_string(),
                 tensor: name.clone(),
                 expected: vec![tensor.data.len()],
-                got: tensor.shape.clone(),
+                got: tensor.shape.to_vec(),
             });
         }
     }
@@ -511,7 +563,7 @@ pub fn save_tensors(path: impl AsRef<Path>, tensors: &BTreeMap<String, HostTenso
         (
             name.clone(),
             Encoded {
-                tensor,
+                tensor: *tensor,
                 dtype: SaveDType::F32,
             },
         )
