@@ -76,6 +76,7 @@
 
 #![deny(missing_docs)]
 
+mod admission;
 mod device;
 mod error;
 pub mod kv_blocks;
@@ -97,7 +98,7 @@ pub use local::{
     saved_model_dir, saved_weights_source, AdapterSource, AnyLocalEngine, LocalEngine,
     LocalEngineOptions, ModelSource, SharedBase,
 };
-pub use memory_plan::{MemoryPlan, PlanError, PlanInputs};
+pub use memory_plan::{Knob, KnobNames, MemoryPlan, PlanError, PlanInputs};
 pub use packing::{
     pack_rollouts, MicroBatch, PackingConfig, PackingError, PackingMode, Response, ResponseRows,
     RolloutGroup, TokenRef,

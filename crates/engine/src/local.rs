@@ -33,6 +33,7 @@ use floe_rl::metrics::reduce_micro_batch_metrics;
 use floe_rl::tinker::{tinker_loss, TinkerInputs, TinkerLoss, TinkerLossConfig};
 use floe_rl::{compute_policy_loss, AlgorithmConfig, GlobalNorm, LossInputs};
 
+use crate::admission::{Gate, Reservation};
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::memory_plan::{MemoryPlan, PlanInputs};
@@ -284,6 +285,8 @@ pub struct LocalEngine<B: Backend> {
     sampler_config: SamplerConfig,
     tokenizer: Option<Arc<Tokenizer>>,
     plan: MemoryPlan,
+    /// The device memory kept free for this engine's steps (GPU engines).
+    admission: Option<Reservation>,
 }
 
 impl<B: Backend> LocalEngine<B> {
@@ -301,21 +304,30 @@ impl<B: Backend> LocalEngine<B> {
             ));
         }
         let (model, lora) = source.shape()?;
+        // One engine at a time is built on a GPU, planning with what the others leave.
+        let gate = match options.device {
+            Device::Cuda(ordinal) => Some(Gate::enter(ordinal)),
+            Device::Cpu => None,
+        };
         let plan = memory_plan(
             &*backend,
             &model,
             lora.as_ref(),
             source.base_is_resident(),
             &options,
+            gate.as_ref().map_or(0, Gate::reserved),
         );
         plan.check()?;
         let mut policy = Policy::new(source.load(backend, BaseStorage::Trainable)?);
         policy.set_optimizer_placement(options.optimizer_placement)?;
         policy.set_recompute(options.recompute);
+        // What the plan holds for good is taken now, so the next engine sees it gone.
+        policy.allocate_training_state()?;
         let sampler_config = sampler_config(policy.model(), &options, &plan);
         let tokenizer = tokenizer.map(Arc::new);
         let sampler = new_sampler(policy.model(), &sampler_config, &tokenizer)?;
         let info = engine_info(policy.model(), &options, &sampler_config);
+        let admission = gate.map(|gate| gate.admit(plan.per_step_bytes()));
         Ok(Self {
             info,
             options,
@@ -325,6 +337,7 @@ impl<B: Backend> LocalEngine<B> {
             sampler_config,
             tokenizer,
             plan,
+            admission,
         })
     }
 
@@ -370,6 +383,9 @@ impl<B: Backend> LocalEngine<B> {
             model.lora_config(),
             true,
             &self.options,
+            self.admission
+                .as_ref()
+                .map_or(0, Reservation::reserved_by_others),
         );
         self.sampler_config = sampler_config(model, &self.options, &plan);
         self.sampler = new_sampler(model, &self.sampler_config, &self.tokenizer)?;
@@ -1031,17 +1047,19 @@ fn logit_scale(temperature: f32) -> Result<f32> {
 /// Sampler sizes: the KV blocks a byte budget buys, never more than the running
 /// sequences could fill at the model's longest context.
 /// The memory plan of an engine for `model` (with `lora` adapters) on `backend` (see
-/// [`MemoryPlan`]): the device budget is `options.memory_fraction` of the memory free now.
+/// [`MemoryPlan`]): the device budget is `options.memory_fraction` of the memory free now
+/// less `reserved_by_others`, what other engines on the device keep free for their steps.
 fn memory_plan<B: Backend>(
     backend: &B,
     model: &ModelConfig,
     lora: Option<&LoraConfig>,
     base_resident: bool,
     options: &LocalEngineOptions,
+    reserved_by_others: usize,
 ) -> MemoryPlan {
-    let budget = backend
-        .memory_info()
-        .map(|(free, _total)| (free as f64 * options.memory_fraction) as usize);
+    let budget = backend.memory_info().map(|(free, _total)| {
+        ((free as f64 * options.memory_fraction) as usize).saturating_sub(reserved_by_others)
+    });
     MemoryPlan::new(&PlanInputs {
         model,
         lora,
@@ -1051,6 +1069,7 @@ fn memory_plan<B: Backend>(
         recompute: options.recompute,
         max_tokens_per_microbatch: options.max_tokens_per_microbatch,
         budget_bytes: budget,
+        reserved_by_others,
     })
 }
 

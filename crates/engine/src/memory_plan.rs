@@ -7,7 +7,9 @@
 //! masters and AdamW moments), the f32 gradients of what trains, one micro-batch's
 //! activations (counted by the model's own constructors,
 //! [`Transformer::training_activation_bytes`]), the backend's workspaces and the
-//! sampler's KV cache, which gets what is left of the budget.
+//! sampler's KV cache, which gets what is left of the budget. Items used only while a
+//! step runs are marked [`PlanItem::per_step`]: other engines on the device must leave
+//! them free (see [`crate::admission`]).
 
 use std::fmt;
 
@@ -46,8 +48,12 @@ pub struct PlanInputs<'a> {
     /// Most tokens in one training micro-batch.
     pub max_tokens_per_microbatch: usize,
     /// Bytes the engine may use on the device (`engine.memory_fraction` of its free
-    /// memory); `None` on the CPU, whose KV cache has a fixed size.
+    /// memory, less what other engines reserve for their steps); `None` on the CPU,
+    /// whose KV cache has a fixed size.
     pub budget_bytes: Option<usize>,
+    /// Of the device's free memory, bytes that other engines on it reserve for their
+    /// steps (already taken out of `budget_bytes`; shown, and named in a refusal).
+    pub reserved_by_others: usize,
 }
 
 /// One line of a plan.
@@ -57,6 +63,9 @@ pub struct PlanItem {
     pub what: &'static str,
     /// How many.
     pub bytes: usize,
+    /// Used only while a step runs (freed between steps); the rest is allocated when
+    /// the engine is built and held.
+    pub per_step: bool,
 }
 
 /// What the device and the host will hold; see the module docs.
@@ -68,6 +77,8 @@ pub struct MemoryPlan {
     pub host: Vec<PlanItem>,
     /// The device budget, when the device has one.
     pub budget_bytes: Option<usize>,
+    /// Bytes other engines on the device reserve for their steps.
+    pub reserved_by_others: usize,
     /// The settings a refusal names as knobs.
     knobs: Knobs,
 }
@@ -110,6 +121,12 @@ impl MemoryPlan {
                 "adapters (f32 + compute copy)",
                 trained * (full + compute),
             ));
+            // The fused lm-head backward always writes the head's weight gradient; the
+            // unembed adapter's is projected from it, and otherwise it is discarded.
+            device.push(item(
+                "lm-head weight gradient (f32)",
+                inputs.model.vocab_size * inputs.model.hidden_size * full,
+            ));
         }
         device.push(item("gradients (f32)", trained * full));
         let optimizer = if host_optimizer {
@@ -122,7 +139,7 @@ impl MemoryPlan {
         }
         optimizer.push(item("AdamW moments (f32)", 2 * trained * full));
         let tokens = inputs.max_tokens_per_microbatch;
-        device.push(item(
+        device.push(per_step(
             "activations of one micro-batch",
             Transformer::<floe_backend::cpu::CpuBackend>::training_activation_bytes(
                 inputs.model,
@@ -133,13 +150,17 @@ impl MemoryPlan {
         ));
         if on_device {
             let chunk = DEVICE_LM_HEAD_CHUNK_LOGITS.min(tokens * inputs.model.vocab_size);
-            device.push(item("lm-head logits chunks (f32)", 2 * chunk * full));
-            device.push(item("CUDA context and workspaces", DEVICE_RESERVE_BYTES));
+            device.push(per_step("lm-head logits chunks (f32)", 2 * chunk * full));
+            device.push(per_step(
+                "CUDA context and workspaces",
+                DEVICE_RESERVE_BYTES,
+            ));
         }
         MemoryPlan {
             device,
             host,
             budget_bytes: inputs.budget_bytes,
+            reserved_by_others: inputs.reserved_by_others,
             knobs: Knobs {
                 max_tokens_per_microbatch: tokens,
                 recompute: inputs.recompute,
@@ -152,6 +173,15 @@ impl MemoryPlan {
     /// Bytes on the device besides the KV cache.
     pub fn device_bytes(&self) -> usize {
         self.device.iter().map(|i| i.bytes).sum()
+    }
+
+    /// Bytes on the device used only while a step runs.
+    pub fn per_step_bytes(&self) -> usize {
+        self.device
+            .iter()
+            .filter(|i| i.per_step)
+            .map(|i| i.bytes)
+            .sum()
     }
 
     /// Bytes in host memory.
@@ -176,35 +206,99 @@ impl MemoryPlan {
                     placement,
                     lora,
                 } = self.knobs;
-                let mut knobs = vec![format!(
-                    "lower the micro-batch tokens (trainer.max_tokens_per_microbatch, now \
-                     {tokens})"
-                )];
+                let mut knobs = vec![Knob::MicrobatchTokens(tokens)];
                 if !recompute {
-                    knobs.push("set engine.recompute = true".into());
+                    knobs.push(Knob::Recompute);
                 }
                 if placement == OptimizerPlacement::Device {
-                    knobs.push(
-                        "set engine.offload_optimizer = true (masters and AdamW moments in \
-                         host memory)"
-                            .into(),
-                    );
+                    knobs.push(Knob::OffloadOptimizer);
                 }
                 if !lora {
-                    knobs.push(
-                        "train LoRA adapters on a frozen bf16 base (model.lora.rank, e.g. 32)"
-                            .into(),
-                    );
+                    knobs.push(Knob::Lora);
                 }
-                knobs.push("raise engine.memory_fraction".into());
+                if self.reserved_by_others > 0 {
+                    knobs.push(Knob::OtherEngines(self.reserved_by_others));
+                }
+                knobs.push(Knob::MemoryFraction);
                 Err(PlanError {
                     needed: self.device_bytes() + MIN_KV_CACHE_BYTES,
                     budget,
                     plan: self.to_string(),
                     knobs,
+                    names: KnobNames::Recipe,
                 })
             }
             _ => Ok(()),
+        }
+    }
+}
+
+/// A setting that frees device memory, as a refusal names it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Knob {
+    /// Fewer tokens in a training micro-batch (now this many).
+    MicrobatchTokens(usize),
+    /// Recompute activations in the backward.
+    Recompute,
+    /// Masters and AdamW moments in host memory.
+    OffloadOptimizer,
+    /// LoRA adapters on a frozen base.
+    Lora,
+    /// Other engines on the device, which reserve these bytes for their steps.
+    OtherEngines(usize),
+    /// A larger share of the device's memory.
+    MemoryFraction,
+}
+
+/// Whose names a refusal gives its knobs: a recipe's keys or `floe serve`'s.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum KnobNames {
+    /// `floe train` / `floe bench` / `floe plan`: recipe keys.
+    Recipe,
+    /// `floe serve`: its flags and the clients' requests.
+    Serve,
+}
+
+impl Knob {
+    /// How to turn this knob, in `names`' terms.
+    pub fn describe(self, names: KnobNames) -> String {
+        let serve = names == KnobNames::Serve;
+        match self {
+            Knob::MicrobatchTokens(tokens) if serve => format!(
+                "lower the micro-batch tokens (floe serve --max-tokens-per-microbatch, or the \
+                 engine setting max_tokens_per_microbatch; now {tokens})"
+            ),
+            Knob::MicrobatchTokens(tokens) => format!(
+                "lower the micro-batch tokens (trainer.max_tokens_per_microbatch, now {tokens})"
+            ),
+            Knob::Recompute if serve => "start floe serve with --recompute".into(),
+            Knob::Recompute => "set engine.recompute = true".into(),
+            Knob::OffloadOptimizer if serve => {
+                "start floe serve with --offload-optimizer (masters and AdamW moments in host \
+                 memory)"
+                    .into()
+            }
+            Knob::OffloadOptimizer => "set engine.offload_optimizer = true (masters and AdamW \
+                                       moments in host memory)"
+                .into(),
+            Knob::Lora if serve => {
+                "train LoRA adapters on the shared frozen base (a LoRA training client, e.g. \
+                 rank 32)"
+                    .into()
+            }
+            Knob::Lora => {
+                "train LoRA adapters on a frozen bf16 base (model.lora.rank, e.g. 32)".into()
+            }
+            Knob::OtherEngines(bytes) => format!(
+                "close other engines on this device (they reserve {:.2} GiB for their steps)",
+                gib(bytes)
+            ),
+            Knob::MemoryFraction if serve => {
+                "raise floe serve --memory-fraction, or give each engine a smaller KV cache \
+                 (--kv-cache-gib)"
+                    .into()
+            }
+            Knob::MemoryFraction => "raise engine.memory_fraction".into(),
         }
     }
 }
@@ -219,7 +313,19 @@ struct Knobs {
 }
 
 fn item(what: &'static str, bytes: usize) -> PlanItem {
-    PlanItem { what, bytes }
+    PlanItem {
+        what,
+        bytes,
+        per_step: false,
+    }
+}
+
+fn per_step(what: &'static str, bytes: usize) -> PlanItem {
+    PlanItem {
+        what,
+        bytes,
+        per_step: true,
+    }
 }
 
 /// Gibibytes, for people.
@@ -241,6 +347,14 @@ impl fmt::Display for MemoryPlan {
                     "KV cache (what is left)",
                     gib(kv)
                 )?;
+                if self.reserved_by_others > 0 {
+                    writeln!(
+                        f,
+                        "  {:<34} {:>9.2} GiB (outside the budget)",
+                        "other engines' steps",
+                        gib(self.reserved_by_others)
+                    )?;
+                }
                 write!(
                     f,
                     "  {:<34} {:>9.2} GiB of a {:.2} GiB budget",
@@ -269,7 +383,7 @@ impl fmt::Display for MemoryPlan {
      of a {:.2} GiB budget.\n{plan}\nto fit: {}",
     gib(*needed),
     gib(*budget),
-    knobs.join("; or ")
+    knobs.iter().map(|k| k.describe(*names)).collect::<Vec<_>>().join("; or ")
 )]
 pub struct PlanError {
     /// Bytes the plan needs on the device.
@@ -279,7 +393,16 @@ pub struct PlanError {
     /// The plan, printed.
     pub plan: String,
     /// Settings that free device memory.
-    pub knobs: Vec<String>,
+    pub knobs: Vec<Knob>,
+    /// Whose names the message gives the knobs.
+    pub names: KnobNames,
+}
+
+impl PlanError {
+    /// The same refusal with the knobs in `names`' terms.
+    pub fn named_for(self, names: KnobNames) -> Self {
+        Self { names, ..self }
+    }
 }
 
 #[cfg(test)]
@@ -296,6 +419,7 @@ mod tests {
             recompute: true,
             max_tokens_per_microbatch: 8192,
             budget_bytes: Some(76 << 30),
+            reserved_by_others: 0,
         }
     }
 
@@ -335,6 +459,15 @@ mod tests {
         assert!(plan.device.iter().all(|i| !i.what.starts_with("master")));
         let base = plan.device.iter().find(|i| i.what.starts_with("weights"));
         assert_eq!(base.unwrap().bytes, 2 * model.num_parameters());
+        // The frozen head's weight gradient, which the fused backward writes, is counted.
+        let head = plan
+            .device
+            .iter()
+            .find(|i| i.what.starts_with("lm-head weight"));
+        assert_eq!(
+            head.unwrap().bytes,
+            4 * model.vocab_size * model.hidden_size
+        );
         // Full-parameter, it cannot fit, and the refusal names LoRA.
         let full = MemoryPlan::new(&PlanInputs {
             lora: None,
@@ -342,6 +475,39 @@ mod tests {
         });
         let err = full.check().unwrap_err().to_string();
         assert!(err.contains("model.lora.rank"), "{err}");
+    }
+
+    #[test]
+    fn other_engines_reservations_are_shown_and_named_in_a_refusal() {
+        let model = ModelConfig::preset("1.7B").unwrap();
+        let alone = MemoryPlan::new(&inputs(&model, OptimizerPlacement::Device));
+        alone.check().unwrap();
+        assert!(!alone.to_string().contains("other engines"));
+        // What the others keep for their steps is outside the budget it was taken from.
+        let beside = MemoryPlan::new(&PlanInputs {
+            budget_bytes: Some(alone.device_bytes()),
+            reserved_by_others: 40 << 30,
+            ..inputs(&model, OptimizerPlacement::Device)
+        });
+        assert!(beside.to_string().contains("other engines' steps"));
+        let err = beside.check().unwrap_err();
+        let recipe = err.to_string();
+        assert!(recipe.contains("close other engines on this device (they reserve 40.00 GiB"));
+        assert!(recipe.contains("engine.offload_optimizer"), "{recipe}");
+        let serve = err.named_for(KnobNames::Serve).to_string();
+        assert!(serve.contains("--offload-optimizer") && serve.contains("--kv-cache-gib"));
+        assert!(!serve.contains("engine.offload_optimizer"), "{serve}");
+        // Only what a step uses is kept free for it: activations, logits, workspaces.
+        let per_step: Vec<&str> = alone
+            .device
+            .iter()
+            .filter(|i| i.per_step)
+            .map(|i| i.what)
+            .collect();
+        assert_eq!(per_step.len(), 3, "{per_step:?}");
+        assert!(per_step
+            .iter()
+            .all(|w| !w.contains("weights") && !w.contains("moments")));
     }
 
     #[test]

@@ -271,3 +271,87 @@ fn the_host_optimizer_on_cuda_updates_as_the_device_optimizer_does() {
     // may differ by up to 2 lr a step.
     assert!(gaps[2] < 4e-3, "step 3: max |Δ| {}", gaps[2]);
 }
+
+/// One SFT step of `tokens` tokens: the verbs a client's first step calls.
+fn sft_step(engine: &mut floe_engine::AnyLocalEngine, tokens: usize) {
+    use floe_engine::{Engine, Loss, TrainGroup, TrainResponse};
+    let response: Vec<u32> = (0..tokens as u32).map(|i| 2 + i * 7 % 1000).collect();
+    let n = response.len();
+    let group = TrainGroup {
+        prompt: vec![1, 2, 3],
+        responses: vec![TrainResponse {
+            tokens: response,
+            loss_mask: vec![1.0; n],
+            advantages: vec![0.0; n],
+            old_logprobs: vec![0.0; n],
+            rollout_logprobs: None,
+            ref_logprobs: None,
+        }],
+    };
+    engine
+        .forward_backward(&[group], &Loss::CrossEntropy, 1.0)
+        .unwrap();
+    let params = floe_engine::policy::OptimParams {
+        lr: 1e-5,
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+        weight_decay: 0.0,
+        max_grad_norm: 1.0,
+    };
+    engine.optim_step(&params).unwrap();
+}
+
+#[test]
+fn engines_beside_each_other_are_admitted_only_while_every_step_fits() {
+    use floe_engine::{AnyLocalEngine, Device, LocalEngineOptions, ModelSource};
+    let gpu = match CudaBackend::new(0) {
+        Ok(gpu) => gpu,
+        Err(e) => {
+            eprintln!("skipping the CUDA admission test: {e}");
+            return;
+        }
+    };
+    // Each engine opens its own backend; this one only checked for a GPU.
+    drop(gpu);
+    let source = || ModelSource::Random {
+        config: ModelConfig::preset("0.6B").unwrap(),
+        seed: 1,
+    };
+    let tokens = 4096;
+    let options = |kv_gib: Option<usize>, memory_fraction: f64| LocalEngineOptions {
+        device: Device::Cuda(0),
+        max_tokens_per_microbatch: tokens,
+        kv_cache_bytes: kv_gib.map(|g| g << 30),
+        memory_fraction,
+        ..LocalEngineOptions::default()
+    };
+    // Two engines with small KV caches, then one that takes what they leave.
+    let mut a = AnyLocalEngine::open(source(), None, options(Some(1), 0.95)).unwrap();
+    let mut b = AnyLocalEngine::open(source(), None, options(Some(1), 0.95)).unwrap();
+    let mut c = AnyLocalEngine::open(source(), None, options(None, 0.95)).unwrap();
+    let reserved = c.memory_plan().reserved_by_others;
+    assert_eq!(
+        reserved,
+        a.memory_plan().per_step_bytes() + b.memory_plan().per_step_bytes()
+    );
+    eprintln!(
+        "third engine: KV cache {:.2} GiB beside {:.2} GiB kept for the others' steps",
+        c.memory_plan().kv_cache_bytes().unwrap() as f64 / f64::from(1 << 30),
+        reserved as f64 / f64::from(1 << 30)
+    );
+    // Every engine's step still finds its memory: the others kept it free.
+    for engine in [&mut a, &mut b, &mut c] {
+        sft_step(engine, tokens - 8);
+    }
+    // A fourth does not fit, and is refused at creation naming the others.
+    let err = AnyLocalEngine::open(source(), None, options(Some(1), 0.95))
+        .err()
+        .expect("no room for a fourth engine")
+        .to_string();
+    assert!(err.contains("close other engines"), "{err}");
+    // Once one is gone, it fits.
+    drop(c);
+    let mut d = AnyLocalEngine::open(source(), None, options(Some(1), 0.95)).unwrap();
+    sft_step(&mut d, tokens - 8);
+}

@@ -357,9 +357,8 @@ async fn create_engine(
         tokenizer,
         tokenizer_files,
     } = prepared;
-    let build: EngineBuilder = Box::new(move || {
-        AnyLocalEngine::open(source, tokenizer, options).map_err(|e| e.to_string())
-    });
+    let build: EngineBuilder =
+        Box::new(move || crate::worker::open_engine(source, tokenizer, options));
     // The `loaded` future carries a load failure's message.
     let loaded = native.app.futures.issue();
     let worker = Worker::spawn(

@@ -227,8 +227,7 @@ fn spawn_engine(
         source, tokenizer, ..
     } = base;
     let build: EngineBuilder = Box::new(move || {
-        let mut engine =
-            AnyLocalEngine::open(source, tokenizer, options).map_err(|e| e.to_string())?;
+        let mut engine = crate::worker::open_engine(source, tokenizer, options)?;
         if let Some(dir) = state_dir {
             engine.load_state(&dir).map_err(|e| e.to_string())?;
         }

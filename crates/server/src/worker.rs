@@ -7,7 +7,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::sync::Arc;
 
-use floe_engine::AnyLocalEngine;
+use floe_engine::{AnyLocalEngine, KnobNames, LocalEngineOptions, ModelSource};
+use floe_model::tokenizer::Tokenizer;
 
 use crate::futures::{Futures, Outcome};
 
@@ -16,6 +17,19 @@ pub type Job = Box<dyn FnOnce(&mut AnyLocalEngine) -> Outcome + Send>;
 
 /// Builds the engine on the worker's thread.
 pub type EngineBuilder = Box<dyn FnOnce() -> Result<AnyLocalEngine, String> + Send>;
+
+/// Opens an engine for the server; a memory plan that does not fit beside the engines
+/// already resident is refused here, naming the server's flags and the clients' settings.
+pub fn open_engine(
+    source: ModelSource,
+    tokenizer: Option<Tokenizer>,
+    options: LocalEngineOptions,
+) -> Result<AnyLocalEngine, String> {
+    AnyLocalEngine::open(source, tokenizer, options).map_err(|e| match e {
+        floe_engine::Error::Plan(plan) => plan.named_for(KnobNames::Serve).to_string(),
+        e => e.to_string(),
+    })
+}
 
 /// Why a job was not queued.
 #[derive(Debug)]

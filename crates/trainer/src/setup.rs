@@ -247,5 +247,6 @@ pub fn memory_plan(config: &Config, device_bytes: Option<usize>) -> Result<Memor
         recompute: options.recompute,
         max_tokens_per_microbatch: options.max_tokens_per_microbatch,
         budget_bytes: device_bytes.map(|bytes| (bytes as f64 * options.memory_fraction) as usize),
+        reserved_by_others: 0,
     }))
 }

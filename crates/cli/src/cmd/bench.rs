@@ -199,6 +199,7 @@ fn bench<B: Backend>(
             recompute: args.recompute,
             max_tokens_per_microbatch: batches.iter().max().copied().unwrap_or(1) * args.seq,
             budget_bytes: backend.memory_info().map(|(free, _)| free),
+            reserved_by_others: 0,
         });
         eprintln!("{plan}");
         plan.check()?;

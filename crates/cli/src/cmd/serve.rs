@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
+use floe_engine::policy::OptimizerPlacement;
 use floe_engine::Device;
 use floe_engine::LocalEngineOptions;
 use floe_server::{Auth, Catalog, ServerConfig};
@@ -45,6 +46,26 @@ pub struct Args {
     /// CPU threads; 0 uses every core.
     #[arg(long, default_value_t = 0)]
     threads: usize,
+    /// Share of the GPU memory free when an engine is built that it may use; its KV
+    /// cache gets what its weights, optimizer and one step leave. Engines are admitted
+    /// one at a time and refused at creation, naming what to change, when they do not fit
+    /// beside those already resident.
+    #[arg(long, default_value_t = 0.8)]
+    memory_fraction: f64,
+    /// KV cache of each engine in GiB, instead of all that its memory share leaves: set
+    /// it to host several engines on one GPU.
+    #[arg(long)]
+    kv_cache_gib: Option<f64>,
+    /// Most tokens in one training micro-batch (a client's engine setting overrides it).
+    #[arg(long, default_value_t = 4096)]
+    max_tokens_per_microbatch: usize,
+    /// Recompute activations in the backward (less memory, about a third more compute).
+    #[arg(long)]
+    recompute: bool,
+    /// Keep f32 master weights and AdamW moments of full-parameter engines in host
+    /// memory (an 8B model on one 80 GB card).
+    #[arg(long)]
+    offload_optimizer: bool,
     /// Seconds `retrieve_future` holds a poll before answering `try_again`.
     #[arg(long, default_value_t = 30)]
     long_poll_secs: u64,
@@ -65,6 +86,21 @@ pub struct Args {
 
 /// Runs `floe serve` until the process is stopped.
 pub fn run(args: Args) -> anyhow::Result<()> {
+    if !(args.memory_fraction > 0.0 && args.memory_fraction <= 1.0) {
+        bail!(
+            "--memory-fraction {} is outside (0, 1]",
+            args.memory_fraction
+        );
+    }
+    if args
+        .kv_cache_gib
+        .is_some_and(|gib| gib.is_nan() || gib <= 0.0)
+    {
+        bail!("--kv-cache-gib must be a positive number of GiB");
+    }
+    if args.max_tokens_per_microbatch == 0 {
+        bail!("--max-tokens-per-microbatch must be positive");
+    }
     let catalog = Catalog::from_specs(&args.models).map_err(anyhow::Error::msg)?;
     catalog.check().map_err(anyhow::Error::msg)?;
     let auth = auth(&args)?;
@@ -83,6 +119,17 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         engine: LocalEngineOptions {
             device: args.device,
             threads: args.threads,
+            memory_fraction: args.memory_fraction,
+            kv_cache_bytes: args
+                .kv_cache_gib
+                .map(|gib| (gib * f64::from(1 << 30)) as usize),
+            max_tokens_per_microbatch: args.max_tokens_per_microbatch,
+            recompute: args.recompute,
+            optimizer_placement: if args.offload_optimizer {
+                OptimizerPlacement::Host
+            } else {
+                OptimizerPlacement::Device
+            },
             ..LocalEngineOptions::default()
         },
         long_poll: Duration::from_secs(args.long_poll_secs),
