@@ -10,6 +10,8 @@
 #           8 prompts x 8 samples of up to 1024 new tokens, with the step-time breakdown
 #   lora    3 GRPO steps of embedded:8B with rank-32 LoRA adapters on a frozen bf16 base
 #   lora32  the same at the 32B shape (an H200; not in the default PARTS)
+#   lora32s the 32B shape on an 80 GB card: 1 prompt x 8 samples of up to 512 new tokens,
+#           4096-token micro-batches (not in the default PARTS)
 #   long    long sequences: the 4B shape with 8 x 4096 tokens (first with the optimizer
 #           on the device, which the memory plan should refuse, then in host memory),
 #           and the 1.7B shape with one 32768-token sequence
@@ -75,32 +77,34 @@ if part grpo; then
   kill "$w"; peak g8
   [ -f runs/g8B/metrics.jsonl ] && cp runs/g8B/metrics.jsonl "${OUT:-.}/g8B_metrics.jsonl"
 fi
-# GRPO with LoRA adapters on a frozen bf16 base: grpo_lora SIZE STEPS (8B on an H100,
-# 32B on an H200), the same batch as the grpo part.
+# GRPO with LoRA adapters on a frozen bf16 base: grpo_lora SIZE STEPS SECS [PROMPTS NEW_TOKENS
+# MICRO_BATCH_TOKENS] (8B on an H100, 32B on an H200: the grpo part's batch by default).
 grpo_lora() {
+  local prompts=${4:-8} new=${5:-1024} micro=${6:-8192}
   mkdir -p runs
   w=$(gpu_watch "l$1")
   TAIL=30 run "$3" ./floe train embedded.toml engine.device=cuda:0 engine.recompute=true \
     engine.memory_fraction=0.92 model.path=embedded:$1 model.lora.rank=32 sft.enabled=false \
     trainer.logger=[] trainer.run_dir=runs/l$1 trainer.max_training_steps=$2 trainer.eval_before_train=false \
-    trainer.eval_interval=-1 trainer.ckpt_interval=-1 trainer.train_batch_size=8 \
-    trainer.policy_mini_batch_size=8 trainer.max_tokens_per_microbatch=8192 \
+    trainer.eval_interval=-1 trainer.ckpt_interval=-1 trainer.train_batch_size=$prompts \
+    trainer.policy_mini_batch_size=$prompts trainer.max_tokens_per_microbatch=$micro \
     trainer.micro_forward_batch_size_per_gpu=64 generator.n_samples_per_prompt=8 \
-    generator.sampling_params.max_generate_length=1024 generator.eval_sampling_params.max_generate_length=1024 \
+    generator.sampling_params.max_generate_length=$new generator.eval_sampling_params.max_generate_length=$new \
     trainer.policy.optimizer_config.lr=1e-5
   kill "$w"; peak "l$1"
   [ -f "runs/l$1/metrics.jsonl" ] && cp "runs/l$1/metrics.jsonl" "${OUT:-.}/l$1_metrics.jsonl"
 }
 part lora && grpo_lora 8B 3 280
 part lora32 && grpo_lora 32B 3 520
+part lora32s && grpo_lora 32B 3 "${LORA32S_SECS:-300}" 1 512 4096
 if part long; then
   w=$(gpu_watch b4)
   TAIL=30 run 60 ./floe bench train --device cuda:0 --model 4B --batch 8 --seq 4096 --iters 2 --warmup 1
-  TAIL=30 run 200 ./floe bench train --device cuda:0 --model 4B --batch 8 --seq 4096 --iters 2 --warmup 1 \
+  TAIL=30 run 160 ./floe bench train --device cuda:0 --model 4B --batch 8 --seq 4096 --iters 2 --warmup 1 \
     --offload-optimizer
   kill "$w"; peak b4
   w=$(gpu_watch b32k)
-  TAIL=30 run 120 ./floe bench train --device cuda:0 --model 1.7B --batch 1 --seq 32768 --iters 2 --warmup 1
+  TAIL=30 run 90 ./floe bench train --device cuda:0 --model 1.7B --batch 1 --seq 32768 --iters 2 --warmup 1
   kill "$w"; peak b32k
 fi
 if part plan; then
