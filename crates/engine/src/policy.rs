@@ -450,6 +450,9 @@ impl<B: Backend> Policy<B> {
         let meta = read_optimizer_meta(dir)?;
         let (config, host) = weights::load_model_dir(dir.join(MODEL_DIR))?;
         let model = Transformer::from_host_weights(Arc::clone(&backend), config, &host)?;
+        // The weights are on the backend now; at 8B this host copy is 33 GB, which the
+        // moments need next.
+        drop(host);
         Self::with_saved_optimizer(model, dir, meta, placement)
     }
 

@@ -577,9 +577,13 @@ pub fn save_tensor_views(
 }
 
 /// Reads every tensor of a safetensors file as f32 (F32, BF16 or F16 storage), by name.
+/// The file is mapped, not read, so only the f32 values take memory (an 8B model's AdamW
+/// moments are a 56 GB file).
 pub fn load_tensors(path: impl AsRef<Path>) -> Result<BTreeMap<String, HostTensor>> {
     let path = path.as_ref();
-    let bytes = std::fs::read(path).map_err(io_err(path))?;
+    let file = std::fs::File::open(path).map_err(io_err(path))?;
+    // SAFETY: as in `load_model_dir`: a read-only map, read only within this function.
+    let bytes = unsafe { memmap2::Mmap::map(&file) }.map_err(io_err(path))?;
     let st = SafeTensors::deserialize(&bytes).map_err(|e| WeightsError::Safetensors {
         path: path.to_path_buf(),
         msg: e.to_string(),
