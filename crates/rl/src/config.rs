@@ -50,6 +50,11 @@ pub struct AlgorithmConfig {
     pub entropy_coeff: f64,
     /// Corrections for the gap between rollout (sampler) and training log-probs.
     pub off_policy_correction: OffPolicyCorrection,
+    /// DAPO dynamic sampling: drop the groups whose rewards are all equal and sample more
+    /// prompts until the batch is full (the trainer's loop; off by default).
+    pub dynamic_sampling: DynamicSamplingConfig,
+    /// DAPO soft overlong punishment of responses near the length limit (off by default).
+    pub overlong_buffer: OverlongBufferConfig,
 }
 
 impl Default for AlgorithmConfig {
@@ -74,6 +79,8 @@ impl Default for AlgorithmConfig {
             kl_ctrl: KlControllerConfig::default(),
             entropy_coeff: 0.0,
             off_policy_correction: OffPolicyCorrection::default(),
+            dynamic_sampling: DynamicSamplingConfig::default(),
+            overlong_buffer: OverlongBufferConfig::default(),
         }
     }
 }
@@ -110,7 +117,71 @@ impl AlgorithmConfig {
                 self.gamma
             )));
         }
+        if self.dynamic_sampling.kind.is_some() && self.dynamic_sampling.max_sample_batches == 0 {
+            return Err(RlError::Config(
+                "dynamic_sampling.max_sample_batches is 0; it is the most batches of prompts a \
+                 step samples, at least 1"
+                    .into(),
+            ));
+        }
+        let factor = self.overlong_buffer.penalty_factor;
+        if !(factor.is_finite() && factor >= 0.0) {
+            return Err(RlError::Config(format!(
+                "overlong_buffer.penalty_factor is {factor}; it must be a finite number >= 0"
+            )));
+        }
         self.off_policy_correction.validate()
+    }
+}
+
+/// What dynamic sampling does with groups that carry no learning signal.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DynamicSamplingType {
+    /// DAPO's (verl's `filter_groups`): drop them and sample further batches of prompts
+    /// until `train_batch_size` groups with a signal are kept.
+    Filter,
+}
+
+/// `dynamic_sampling.*` (SkyRL's keys; verl's `algorithm.filter_groups`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct DynamicSamplingConfig {
+    /// `"filter"`, or unset for off.
+    #[serde(rename = "type")]
+    pub kind: Option<DynamicSamplingType>,
+    /// Most batches of prompts one step samples, the first included (verl's
+    /// `max_num_gen_batches`); a step that reaches it trains on the groups it kept.
+    pub max_sample_batches: usize,
+}
+
+impl Default for DynamicSamplingConfig {
+    fn default() -> Self {
+        Self {
+            kind: None,
+            max_sample_batches: 30,
+        }
+    }
+}
+
+/// `overlong_buffer.*` (verl's `reward_model.overlong_buffer`): a response longer than
+/// `max_generate_length - len` tokens loses up to `penalty_factor` reward, linearly
+/// ([`crate::dapo::overlong_penalty`]).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct OverlongBufferConfig {
+    /// Tokens before the length limit over which the penalty grows; 0 is off.
+    pub len: usize,
+    /// The penalty at the limit.
+    pub penalty_factor: f64,
+}
+
+impl Default for OverlongBufferConfig {
+    fn default() -> Self {
+        Self {
+            len: 0,
+            penalty_factor: 1.0,
+        }
     }
 }
 

@@ -9,6 +9,8 @@
 //! - [`reduction`]: `token_mean`, `sequence_mean`, `seq_mean_token_sum_norm`,
 //!   `seq_mean_token_sum`, `prompt_mean` against mini-batch totals.
 //! - [`kl`]: k1/abs/k2/k3 as a loss term or folded into the reward.
+//! - [`dapo`]: which groups carry a learning signal (dynamic sampling) and the soft
+//!   overlong punishment.
 //! - [`tinker`]: Tinker's `forward_backward` losses with sum semantics.
 //! - [`optim`]: LR schedules, grad-norm clipping; [`metrics`]: pass@k, summaries, metric names.
 //!
@@ -27,6 +29,7 @@
 
 pub mod advantage;
 pub mod config;
+pub mod dapo;
 pub mod kl;
 pub mod loss;
 pub mod metrics;

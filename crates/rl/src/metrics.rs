@@ -10,6 +10,26 @@ pub mod names {
     pub const REWARD_MEAN_POSITIVE_REWARD: &str = "reward/mean_positive_reward";
     /// Sequences whose group had equal rewards, when `zero_variance_filter` is on.
     pub const REWARD_NUM_ZERO_VARIANCE_FILTERED: &str = "reward/num_zero_variance_filtered";
+    /// Dynamic sampling: batches of prompts the step sampled (the first included).
+    pub const DYNAMIC_SAMPLING_NUM_GEN_BATCHES: &str = "dynamic_sampling/num_gen_batches";
+    /// Dynamic sampling: groups the step sampled over all its batches.
+    pub const DYNAMIC_SAMPLING_NUM_SAMPLED_GROUPS: &str = "dynamic_sampling/num_sampled_groups";
+    /// Dynamic sampling: sampled groups dropped for equal rewards.
+    pub const DYNAMIC_SAMPLING_NUM_FILTERED_GROUPS: &str = "dynamic_sampling/num_filtered_groups";
+    /// Dynamic sampling: the share of sampled groups dropped for equal rewards.
+    pub const DYNAMIC_SAMPLING_FILTERED_GROUPS_FRAC: &str = "dynamic_sampling/filtered_groups_frac";
+    /// Dynamic sampling: groups the step trained on (`train_batch_size` unless the batch
+    /// cap was reached first).
+    pub const DYNAMIC_SAMPLING_NUM_TRAINED_GROUPS: &str = "dynamic_sampling/num_trained_groups";
+    /// Overlong shaping: the share of sampled responses whose last turn stopped at the
+    /// length limit.
+    pub const OVERLONG_TRUNCATED_FRAC: &str = "overlong/truncated_frac";
+    /// Overlong filtering: sampled responses masked out of the loss for their truncation.
+    pub const OVERLONG_NUM_FILTERED: &str = "overlong/num_filtered";
+    /// Soft overlong punishment: mean penalty over sampled responses (0 or below).
+    pub const OVERLONG_PENALTY_MEAN: &str = "overlong/penalty_mean";
+    /// Soft overlong punishment: the share of sampled responses penalised.
+    pub const OVERLONG_PENALIZED_FRAC: &str = "overlong/penalized_frac";
     /// Mean response length in tokens.
     pub const GENERATE_AVG_NUM_TOKENS: &str = "generate/avg_num_tokens";
     /// Shortest response.

@@ -1,6 +1,6 @@
 //! `AlgorithmConfig`: spec defaults, strict parsing, validation.
 
-use floe_rl::config::KlControllerKind;
+use floe_rl::config::{DynamicSamplingType, KlControllerKind};
 use floe_rl::{AdvantageEstimator, AlgorithmConfig, KlEstimator, LossReduction, PolicyLoss};
 
 #[test]
@@ -85,4 +85,32 @@ fn validation_rejects_impossible_combinations() {
         .unwrap_err()
         .to_string()
         .contains("token_mask_is_threshold"));
+}
+
+#[test]
+fn dapo_sections_parse_default_off_and_name_their_keys() {
+    let config = AlgorithmConfig::default();
+    assert_eq!(config.dynamic_sampling.kind, None);
+    assert_eq!(config.overlong_buffer.len, 0);
+    let config: AlgorithmConfig = serde_json::from_str(
+        r#"{"dynamic_sampling": {"type": "filter", "max_sample_batches": 4},
+            "overlong_buffer": {"len": 64, "penalty_factor": 0.5}}"#,
+    )
+    .unwrap();
+    assert_eq!(
+        config.dynamic_sampling.kind,
+        Some(DynamicSamplingType::Filter)
+    );
+    assert_eq!(config.dynamic_sampling.max_sample_batches, 4);
+    assert_eq!(config.overlong_buffer.len, 64);
+    config.validate().unwrap();
+
+    let mut no_batches = config.clone();
+    no_batches.dynamic_sampling.max_sample_batches = 0;
+    let err = no_batches.validate().unwrap_err().to_string();
+    assert!(err.contains("dynamic_sampling.max_sample_batches"), "{err}");
+    let mut negative = config;
+    negative.overlong_buffer.penalty_factor = -1.0;
+    let err = negative.validate().unwrap_err().to_string();
+    assert!(err.contains("overlong_buffer.penalty_factor"), "{err}");
 }
