@@ -36,11 +36,11 @@ def policy_loss_spec(**algorithm):
     return {"Policy": algorithm}
 
 
-def tinker_loss_spec(loss, clip_low_threshold=0.8, clip_high_threshold=1.2):
+def tinker_loss_spec(loss, clip_low_threshold=0.8, clip_high_threshold=1.2, beta=0.05):
     """A Tinker loss (``cross_entropy``, ``importance_sampling``, ``ppo``, ``cispo``,
-    ``gspo``) with Tinker's sum semantics."""
+    ``gspo``, ``dro``) with Tinker's sum semantics; ``beta`` is ``dro``'s penalty."""
     return {"Tinker": {"loss": loss, "clip_low_threshold": clip_low_threshold,
-                       "clip_high_threshold": clip_high_threshold}}
+                       "clip_high_threshold": clip_high_threshold, "beta": beta}}
 
 
 def sample_request(request_id, prompt, n=1, **params):

@@ -656,10 +656,12 @@ impl<B: Backend> Engine for LocalEngine<B> {
                 loss,
                 clip_low_threshold,
                 clip_high_threshold,
+                beta,
             } => {
                 let config = TinkerLossConfig {
                     clip_low_threshold: *clip_low_threshold,
                     clip_high_threshold: *clip_high_threshold,
+                    beta: *beta,
                 };
                 self.forward_backward_tinker(groups, *loss, &config, logit_scale)
             }

@@ -94,7 +94,14 @@ pub enum Loss {
         clip_low_threshold: f64,
         /// Upper ratio bound of the clipped losses (Tinker's default 1.2).
         clip_high_threshold: f64,
+        /// `dro`'s quadratic penalty (Tinker's default 0.05).
+        #[serde(default = "default_dro_beta")]
+        beta: f64,
     },
+}
+
+fn default_dro_beta() -> f64 {
+    floe_rl::tinker::TinkerLossConfig::default().beta
 }
 
 /// Which weights a [`Engine::forward`] reads.

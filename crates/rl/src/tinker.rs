@@ -28,6 +28,9 @@ pub enum TinkerLoss {
     Cispo,
     /// PPO clip on each datum's length-normalised sequence ratio over `sequence_ratio_mask`.
     Gspo,
+    /// Direct reward optimisation: `−Σ (logp·A − β/2·(logp − sampling_logp)²)`, a
+    /// quadratic penalty instead of a clip keeping the update near the sampler.
+    Dro,
 }
 
 impl TinkerLoss {
@@ -39,6 +42,7 @@ impl TinkerLoss {
             TinkerLoss::Ppo => "ppo",
             TinkerLoss::Cispo => "cispo",
             TinkerLoss::Gspo => "gspo",
+            TinkerLoss::Dro => "dro",
         }
     }
 }
@@ -53,24 +57,27 @@ impl FromStr for TinkerLoss {
             TinkerLoss::Ppo,
             TinkerLoss::Cispo,
             TinkerLoss::Gspo,
+            TinkerLoss::Dro,
         ]
         .into_iter()
         .find(|l| l.name() == name)
         .ok_or_else(|| {
             RlError::Input(format!(
-                "unsupported loss_fn {name:?}; supported: cross_entropy, importance_sampling, ppo, cispo, gspo"
+                "unsupported loss_fn {name:?}; supported: cross_entropy, importance_sampling, ppo, cispo, gspo, dro"
             ))
         })
     }
 }
 
-/// `loss_fn_config` of the clipped losses.
+/// `loss_fn_config`: the clipped losses' ratio bounds and `dro`'s penalty.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct TinkerLossConfig {
     /// Lower ratio bound (absolute, default 0.8).
     pub clip_low_threshold: f64,
     /// Upper ratio bound (absolute, default 1.2).
     pub clip_high_threshold: f64,
+    /// `dro`'s quadratic penalty coefficient (default 0.05, the value Tinker's docs use).
+    pub beta: f64,
 }
 
 impl Default for TinkerLossConfig {
@@ -78,6 +85,7 @@ impl Default for TinkerLossConfig {
         Self {
             clip_low_threshold: 0.8,
             clip_high_threshold: 1.2,
+            beta: 0.05,
         }
     }
 }
@@ -90,12 +98,19 @@ impl TinkerLossConfig {
             match key.as_str() {
                 "clip_low_threshold" => config.clip_low_threshold = value,
                 "clip_high_threshold" => config.clip_high_threshold = value,
+                "beta" => config.beta = value,
                 other => {
                     return Err(RlError::Input(format!(
-                        "unknown loss_fn_config key {other:?}; known: clip_low_threshold, clip_high_threshold"
+                        "unknown loss_fn_config key {other:?}; known: clip_low_threshold, clip_high_threshold, beta"
                     )))
                 }
             }
+        }
+        if !(config.beta.is_finite() && config.beta >= 0.0) {
+            return Err(RlError::Input(format!(
+                "loss_fn_config beta {} is not a finite non-negative number",
+                config.beta
+            )));
         }
         if config.clip_low_threshold > config.clip_high_threshold {
             return Err(RlError::Input(format!(
@@ -165,6 +180,14 @@ pub fn tinker_loss(
         TinkerLoss::Ppo => PolicyLoss::Regular,
         TinkerLoss::Cispo => PolicyLoss::Cispo,
         TinkerLoss::Gspo => PolicyLoss::Gspo,
+        TinkerLoss::Dro => {
+            return Ok(dro_loss(
+                config.beta,
+                inputs.logprobs,
+                require(loss, "logprobs", inputs.sampling_logprobs)?,
+                require(loss, "advantages", inputs.advantages)?,
+            ))
+        }
     };
     let (weights, old, advantages) = if loss == TinkerLoss::CrossEntropy {
         (
@@ -203,6 +226,27 @@ pub fn tinker_loss(
         elementwise_loss: out.loss_t,
         metrics: BTreeMap::from([(LOSS_SUM_METRIC.to_string(), total)]),
     })
+}
+
+/// `dro` per token: loss `−(logp·A − β/2·(logp − q)²)`, gradient `−A + β·(logp − q)`.
+fn dro_loss(beta: f64, logprobs: &[f64], sampling: &[f64], advantages: &[f64]) -> LossOutput {
+    let (elementwise_loss, dlogprobs): (Vec<f64>, Vec<f64>) = logprobs
+        .iter()
+        .zip(sampling)
+        .zip(advantages)
+        .map(|((&lp, &q), &a)| {
+            let delta = lp - q;
+            (-(lp * a - 0.5 * beta * delta * delta), -a + beta * delta)
+        })
+        .unzip();
+    let total: f64 = elementwise_loss.iter().sum();
+    LossOutput {
+        loss: total,
+        dentropy: vec![0.0; dlogprobs.len()],
+        dlogprobs,
+        elementwise_loss,
+        metrics: BTreeMap::from([(LOSS_SUM_METRIC.to_string(), total)]),
+    }
 }
 
 #[cfg(test)]
@@ -256,15 +300,49 @@ mod tests {
     }
 
     #[test]
+    fn dro_is_the_published_objective() {
+        // Tinker's docs: −Σ (logp·A − ½β(logp − q)²).
+        let config = TinkerLossConfig {
+            beta: 0.5,
+            ..TinkerLossConfig::default()
+        };
+        let out = tinker_loss(
+            TinkerLoss::Dro,
+            &config,
+            &TinkerInputs {
+                seq_lens: &[2],
+                logprobs: &[-1.0, -2.0],
+                weights: None,
+                sampling_logprobs: Some(&[-1.5, -2.0]),
+                advantages: Some(&[2.0, -1.0]),
+                sequence_ratio_mask: None,
+            },
+        )
+        .unwrap();
+        // Token 0: −(−2 − 0.25·0.25) = 2.0625; token 1: −(2 − 0) = −2.
+        assert!((out.elementwise_loss[0] - 2.0625).abs() < 1e-12);
+        assert!((out.elementwise_loss[1] + 2.0).abs() < 1e-12);
+        assert!((out.loss - 0.0625).abs() < 1e-12);
+        // dL/dlogp = −A + β(logp − q).
+        assert!((out.dlogprobs[0] - (-2.0 + 0.25)).abs() < 1e-12);
+        assert!((out.dlogprobs[1] - 1.0).abs() < 1e-12);
+    }
+
+    #[test]
     fn config_and_inputs_are_checked() {
         let map = BTreeMap::from([("clip_low_threshold".to_string(), 0.9)]);
         assert_eq!(
             TinkerLossConfig::from_map(&map).unwrap().clip_low_threshold,
             0.9
         );
-        let bad = BTreeMap::from([("beta".to_string(), 0.1)]);
-        assert!(TinkerLossConfig::from_map(&bad).is_err());
-        assert!("dro".parse::<TinkerLoss>().is_err());
+        let beta = BTreeMap::from([("beta".to_string(), 0.1)]);
+        assert_eq!(TinkerLossConfig::from_map(&beta).unwrap().beta, 0.1);
+        let bad = BTreeMap::from([("kl_coef".to_string(), 0.1)]);
+        let err = TinkerLossConfig::from_map(&bad).unwrap_err().to_string();
+        assert!(err.contains("kl_coef") && err.contains("beta"), "{err}");
+        let negative = BTreeMap::from([("beta".to_string(), -1.0)]);
+        assert!(TinkerLossConfig::from_map(&negative).is_err());
+        assert_eq!("dro".parse::<TinkerLoss>().unwrap(), TinkerLoss::Dro);
         assert_eq!("gspo".parse::<TinkerLoss>().unwrap(), TinkerLoss::Gspo);
         let missing = tinker_loss(
             TinkerLoss::Ppo,

@@ -26,6 +26,7 @@ fn tinker_gradients_match_finite_differences() {
         TinkerLoss::Ppo,
         TinkerLoss::Cispo,
         TinkerLoss::Gspo,
+        TinkerLoss::Dro,
     ] {
         // CISPO stops the gradient through its ratio: differentiate with the ratio held
         // fixed by moving the sampling log-prob along.

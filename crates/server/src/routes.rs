@@ -460,6 +460,7 @@ fn fwdbwd_job(
                 loss,
                 clip_low_threshold: config.clip_low_threshold,
                 clip_high_threshold: config.clip_high_threshold,
+                beta: config.beta,
             };
             match engine.forward_backward(&train, &loss, 1.0) {
                 Ok(out) => out.loss,

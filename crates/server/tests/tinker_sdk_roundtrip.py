@@ -89,6 +89,20 @@ def main():
         expected -= advantage * sampled
     rl = training.forward_backward(rl_batch, "importance_sampling").result()
     assert abs(rl.metrics["loss:sum"] - expected) < 1e-2 * abs(expected) + 1e-3, (rl.metrics, expected)
+    # dro over the wire: -sum(logp*A - beta/2*(logp - q)^2) with the model's log-probs of
+    # every position (the prompt's too, whose q the batch sets to 0).
+    model_logprobs = training.forward(rl_batch, "importance_sampling").result().loss_fn_outputs
+    dro_expected = 0.0
+    for i, rl_datum in enumerate(rl_batch):
+        q = rl_datum.loss_fn_inputs["logprobs"].tolist()
+        a = rl_datum.loss_fn_inputs["advantages"].tolist()
+        for lp, qt, at in zip(model_logprobs[i]["logprobs"].tolist(), q, a):
+            dro_expected -= lp * at - 0.5 * 0.05 * (lp - qt) ** 2
+    dro = training.forward(rl_batch, "dro", loss_fn_config={"beta": 0.05}).result()
+    assert abs(dro.metrics["loss:sum"] - dro_expected) < 1e-6 * abs(dro_expected) + 1e-6, (
+        dro.metrics,
+        dro_expected,
+    )
     training.optim_step(types.AdamParams(learning_rate=1e-3)).result()
     # Checkpoints: save the state, resume it (weights and AdamW moments) as a new training
     # client, and sample a named sampler checkpoint through its own sampling session.
