@@ -13,6 +13,22 @@
 //! 5. extension loading stays disabled (SQLite's default; rusqlite's `load_extension`
 //!    feature is off).
 //!
+//! **Harmless connection state.** The reference opens a fresh `mode=ro` connection per
+//! query, so it runs statements that change only that connection: `ATTACH ':memory:'`,
+//! connection-level pragma assignments (`PRAGMA foreign_keys = ON`), `TEMP` tables, views
+//! and triggers, `BEGIN`/`SAVEPOINT`. Layer 3 on a pooled connection refuses them, but notes
+//! that it did; such a statement is then run once more on a *scratch* connection that is
+//! never pooled and is closed afterwards, so no state leaks into later queries. A scratch
+//! connection keeps layers 1, 3 (widened to exactly those statements), 5 and the deadline,
+//! and differs in three ways: `query_only` is off (SQLite applies it to the temp schema
+//! too), `temp_store = MEMORY` with the temp schema capped at the result byte budget (temp
+//! tables, sorters and their journals never touch a file), and up to 10 attached databases,
+//! each of which must be `':memory:'` or `''` (a private temporary database, in memory here).
+//! Writes to `main`, `ATTACH` of any file path, `VACUUM`, `temp_store` other than `MEMORY`
+//! and every pragma not on the connection-level list stay refused: these are deliberate
+//! differences from the reference, which would create or read other files.
+//! [`SandboxConfig::strict_read_only`] (off by default) refuses connection state too.
+//!
 //! Each query runs under a deadline enforced inside SQLite by a progress handler every
 //! 1000 VM instructions (as the reference does), and its result is bounded in rows and
 //! bytes. Connections are pooled per database path; a connection serves one query at a time.
@@ -26,7 +42,8 @@
 use std::collections::{HashMap, HashSet};
 use std::hash::{Hash, Hasher};
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use rusqlite::hooks::{AuthAction, AuthContext, Authorization};
@@ -45,6 +62,11 @@ pub struct SandboxConfig {
     pub max_bytes: usize,
     /// Idle connections kept per database path.
     pub max_idle_per_db: usize,
+    /// Refuse statements that change only the connection (`ATTACH ':memory:'`,
+    /// connection-level pragma assignments, `TEMP` tables, transactions) instead of running
+    /// them on a scratch connection as the reference would (see the module docs). Off by
+    /// default: on, floe scores such statements as failures where the reference runs them.
+    pub strict_read_only: bool,
 }
 
 impl Default for SandboxConfig {
@@ -54,6 +76,7 @@ impl Default for SandboxConfig {
             max_rows: 1_000_000,
             max_bytes: 256 << 20,
             max_idle_per_db: 32,
+            strict_read_only: false,
         }
     }
 }
@@ -239,11 +262,27 @@ impl QueryResult {
     }
 }
 
+/// Which of the two kinds of connection (module docs) a connection is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    /// Pooled and shared: reads only, its state never changes.
+    Pooled,
+    /// Used for one statement that changes connection state, then closed.
+    Scratch,
+}
+
+/// A connection and the authorizer's note that the statement being prepared asked for
+/// connection state (refused on a pooled connection, allowed on a scratch one).
+struct SandboxConnection {
+    conn: Connection,
+    asked_for_state: Arc<AtomicBool>,
+}
+
 /// Read-only, time- and size-bounded SQL execution over pooled SQLite connections.
 /// `Sync`: share one behind an `Arc` across scoring threads.
 pub struct Sandbox {
     config: SandboxConfig,
-    idle: Mutex<HashMap<PathBuf, Vec<Connection>>>,
+    idle: Mutex<HashMap<PathBuf, Vec<SandboxConnection>>>,
 }
 
 impl Sandbox {
@@ -272,25 +311,35 @@ impl Sandbox {
         sql: &str,
         timeout: Duration,
     ) -> Result<QueryResult, SqlError> {
-        let mut conn = self.checkout(db)?;
         let deadline = Instant::now() + timeout;
-        conn.progress_handler(1000, Some(move || Instant::now() >= deadline))
-            .map_err(sqlite_error)?;
-        let result = self.run(&conn, sql, deadline, timeout);
+        let mut pooled = self.checkout(db)?;
+        let result = self.run(&mut pooled, sql, deadline, timeout);
+        let asked_for_state = pooled.asked_for_state.load(Ordering::Relaxed);
         // A connection left inside a transaction would leak state into the next query.
-        if conn.is_autocommit() {
-            self.give_back(db, conn);
+        if pooled.conn.is_autocommit() {
+            self.give_back(db, pooled);
+        }
+        if result.is_err() && asked_for_state && !self.config.strict_read_only {
+            let mut scratch = open_connection(db, self.config.max_bytes, Mode::Scratch)?;
+            // Dropped when this returns: its temp tables, attachments and pragmas go with it.
+            return self.run(&mut scratch, sql, deadline, timeout);
         }
         result
     }
 
     fn run(
         &self,
-        conn: &Connection,
+        connection: &mut SandboxConnection,
         sql: &str,
         deadline: Instant,
         timeout: Duration,
     ) -> Result<QueryResult, SqlError> {
+        connection
+            .conn
+            .progress_handler(1000, Some(move || Instant::now() >= deadline))
+            .map_err(sqlite_error)?;
+        connection.asked_for_state.store(false, Ordering::Relaxed);
+        let conn = &connection.conn;
         let interrupted = |err: rusqlite::Error| {
             let is_interrupt =
                 err.sqlite_error_code() == Some(rusqlite::ErrorCode::OperationInterrupted);
@@ -310,7 +359,11 @@ impl Sandbox {
         if has_second_statement(sql, stmt.expanded_sql().as_deref()) {
             return Err(SqlError::MultipleStatements);
         }
-        if !stmt.readonly() {
+        // Only a scratch connection runs a writing statement, and only one whose every
+        // non-read action the authorizer allowed as connection state (`VACUUM` asks the
+        // authorizer nothing, so it stays refused here).
+        let allowed_state = connection.asked_for_state.load(Ordering::Relaxed);
+        if !stmt.readonly() && !allowed_state {
             return Err(SqlError::NotReadOnly);
         }
         let columns: Vec<String> = stmt.column_names().map(String::from).collect();
@@ -352,7 +405,7 @@ impl Sandbox {
         Ok(QueryResult { columns, rows })
     }
 
-    fn checkout(&self, db: &Path) -> Result<Connection, SqlError> {
+    fn checkout(&self, db: &Path) -> Result<SandboxConnection, SqlError> {
         let pooled = self
             .idle
             .lock()
@@ -361,11 +414,11 @@ impl Sandbox {
             .and_then(Vec::pop);
         match pooled {
             Some(conn) => Ok(conn),
-            None => open_read_only(db, self.config.max_bytes),
+            None => open_connection(db, self.config.max_bytes, Mode::Pooled),
         }
     }
 
-    fn give_back(&self, db: &Path, conn: Connection) {
+    fn give_back(&self, db: &Path, conn: SandboxConnection) {
         let mut idle = self.idle.lock().expect("sandbox pool lock poisoned");
         let conns = idle.entry(db.to_path_buf()).or_default();
         if conns.len() < self.config.max_idle_per_db {
@@ -383,8 +436,8 @@ fn sqlite_error(err: rusqlite::Error) -> SqlError {
     }
 }
 
-/// Opens `db` read-only and immutable with every sandbox layer installed.
-fn open_read_only(db: &Path, max_bytes: usize) -> Result<Connection, SqlError> {
+/// Opens `db` read-only and immutable with every sandbox layer of `mode` installed.
+fn open_connection(db: &Path, max_bytes: usize, mode: Mode) -> Result<SandboxConnection, SqlError> {
     let open_error = |err: rusqlite::Error| SqlError::Open {
         path: db.to_path_buf(),
         message: err.to_string(),
@@ -397,18 +450,53 @@ fn open_read_only(db: &Path, max_bytes: usize) -> Result<Connection, SqlError> {
         | OpenFlags::SQLITE_OPEN_URI
         | OpenFlags::SQLITE_OPEN_NO_MUTEX;
     let mut conn = Connection::open_with_flags(uri, flags).map_err(open_error)?;
-    conn.pragma_update(None, "query_only", 1)
-        .map_err(open_error)?;
-    conn.set_limit(Limit::SQLITE_LIMIT_ATTACHED, 0)
-        .map_err(open_error)?;
+    match mode {
+        Mode::Pooled => {
+            conn.pragma_update(None, "query_only", 1)
+                .map_err(open_error)?;
+            conn.set_limit(Limit::SQLITE_LIMIT_ATTACHED, 0)
+                .map_err(open_error)?;
+        }
+        Mode::Scratch => {
+            // Temp tables, their indexes, sorters and statement journals stay in memory,
+            // and the temp schema may not outgrow the result budget.
+            conn.pragma_update(None, "temp_store", "MEMORY")
+                .map_err(open_error)?;
+            let pages = i64::try_from(max_bytes / 4096).unwrap_or(i64::MAX).max(1);
+            conn.pragma_update(Some("temp"), "max_page_count", pages)
+                .map_err(open_error)?;
+            conn.set_limit(Limit::SQLITE_LIMIT_ATTACHED, SCRATCH_MAX_ATTACHED)
+                .map_err(open_error)?;
+        }
+    }
     // One value may not exceed the result budget: `randomblob(1e9)` would otherwise
     // allocate a gigabyte inside a single VM instruction, out of the deadline's reach.
     let max_value = i32::try_from(max_bytes).unwrap_or(i32::MAX);
     conn.set_limit(Limit::SQLITE_LIMIT_LENGTH, max_value)
         .map_err(open_error)?;
-    conn.authorizer(Some(authorize)).map_err(open_error)?;
-    Ok(conn)
+    let asked_for_state = Arc::new(AtomicBool::new(false));
+    let note = asked_for_state.clone();
+    conn.authorizer(Some(move |ctx: AuthContext<'_>| match classify(&ctx) {
+        Class::Read => Authorization::Allow,
+        Class::ConnectionState => {
+            note.store(true, Ordering::Relaxed);
+            match mode {
+                Mode::Pooled => Authorization::Deny,
+                Mode::Scratch => Authorization::Allow,
+            }
+        }
+        Class::Forbidden => Authorization::Deny,
+    }))
+    .map_err(open_error)?;
+    Ok(SandboxConnection {
+        conn,
+        asked_for_state,
+    })
 }
+
+/// Databases a scratch connection may attach: SQLite's default `SQLITE_MAX_ATTACHED`, as
+/// in Python's `sqlite3`.
+const SCRATCH_MAX_ATTACHED: i32 = 10;
 
 /// Pragmas that only read, and may take an argument (a table or index name).
 const READ_PRAGMAS_WITH_ARGUMENT: &[&str] = &[
@@ -424,30 +512,96 @@ const READ_PRAGMAS_WITH_ARGUMENT: &[&str] = &[
     "quick_check",
 ];
 
-fn authorize(ctx: AuthContext<'_>) -> Authorization {
+/// Pragmas whose assignment changes only the connection that runs it (never a file, the
+/// process, or where temporary data is kept).
+const CONNECTION_PRAGMAS: &[&str] = &[
+    "analysis_limit",
+    "automatic_index",
+    "busy_timeout",
+    "cache_size",
+    "cache_spill",
+    "case_sensitive_like",
+    "cell_size_check",
+    "count_changes",
+    "defer_foreign_keys",
+    "empty_result_callbacks",
+    "foreign_keys",
+    "full_column_names",
+    "ignore_check_constraints",
+    "legacy_alter_table",
+    "query_only",
+    "recursive_triggers",
+    "reverse_unordered_selects",
+    "secure_delete",
+    "short_column_names",
+    "synchronous",
+    "threads",
+    "trusted_schema",
+];
+
+/// What the authorizer makes of one action.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Class {
+    /// Reads: allowed everywhere.
+    Read,
+    /// Changes only the connection: allowed on a scratch connection.
+    ConnectionState,
+    /// Refused everywhere.
+    Forbidden,
+}
+
+fn classify(ctx: &AuthContext<'_>) -> Class {
+    let in_temp = ctx.database_name == Some("temp");
     match ctx.action {
-        AuthAction::Select | AuthAction::Read { .. } | AuthAction::Recursive => {
-            Authorization::Allow
-        }
+        AuthAction::Select | AuthAction::Read { .. } | AuthAction::Recursive => Class::Read,
         AuthAction::Function { function_name } => {
             if function_name.eq_ignore_ascii_case("load_extension") {
-                Authorization::Deny
+                Class::Forbidden
             } else {
-                Authorization::Allow
+                Class::Read
             }
         }
         AuthAction::Pragma {
             pragma_name,
             pragma_value,
-        } => {
-            let name = pragma_name.to_ascii_lowercase();
-            if pragma_value.is_none() || READ_PRAGMAS_WITH_ARGUMENT.contains(&name.as_str()) {
-                Authorization::Allow
-            } else {
-                Authorization::Deny
-            }
+        } => classify_pragma(pragma_name, pragma_value),
+        AuthAction::CreateTempTable { .. }
+        | AuthAction::CreateTempIndex { .. }
+        | AuthAction::CreateTempView { .. }
+        | AuthAction::CreateTempTrigger { .. }
+        | AuthAction::DropTempTable { .. }
+        | AuthAction::DropTempIndex { .. }
+        | AuthAction::DropTempView { .. }
+        | AuthAction::DropTempTrigger { .. }
+        | AuthAction::Transaction { .. }
+        | AuthAction::Savepoint { .. }
+        | AuthAction::Detach { .. } => Class::ConnectionState,
+        // Anything else in the temp schema (`CREATE TABLE temp.t`, rows of temp tables and
+        // of `sqlite_temp_master` itself, `ANALYZE temp`): it lives and dies in memory.
+        _ if in_temp => Class::ConnectionState,
+        // `''` is a private temporary database, which `temp_store = MEMORY` keeps in memory.
+        // A filename that is not a literal reaches the authorizer as `Unknown`.
+        AuthAction::Attach { filename } if filename == ":memory:" || filename.is_empty() => {
+            Class::ConnectionState
         }
-        _ => Authorization::Deny,
+        _ => Class::Forbidden,
+    }
+}
+
+fn classify_pragma(name: &str, value: Option<&str>) -> Class {
+    let name = name.to_ascii_lowercase();
+    match value {
+        None => Class::Read,
+        Some(_) if READ_PRAGMAS_WITH_ARGUMENT.contains(&name.as_str()) => Class::Read,
+        Some(_) if CONNECTION_PRAGMAS.contains(&name.as_str()) => Class::ConnectionState,
+        // Temporary data must stay in memory: only the value the scratch connection has.
+        Some(value)
+            if name == "temp_store"
+                && (value.eq_ignore_ascii_case("memory") || value.trim() == "2") =>
+        {
+            Class::ConnectionState
+        }
+        Some(_) => Class::Forbidden,
     }
 }
 

@@ -32,7 +32,7 @@ fn sandbox() -> Sandbox {
 }
 
 #[test]
-fn writes_attach_pragmas_and_extensions_cannot_change_the_file() {
+fn writes_file_attaches_file_pragmas_and_extensions_are_refused() {
     let dir = tempfile::tempdir().unwrap();
     let db = make_db(dir.path());
     let before = sha256(&db);
@@ -44,21 +44,25 @@ fn writes_attach_pragmas_and_extensions_cannot_change_the_file() {
         "UPDATE item SET price = 0",
         "DELETE FROM item",
         "CREATE TABLE evil (x)",
-        "CREATE TEMP TABLE scratch (x)",
+        "CREATE TABLE main.evil (x)",
         "ALTER TABLE item ADD COLUMN y",
         "ATTACH 'x.db' AS x",
+        "ATTACH ':MEMORY:' AS x",
+        "ATTACH 'file:x.db?mode=rwc' AS x",
+        "ATTACH ':mem' || 'ory:' AS x",
         &format!("ATTACH '{}' AS again", db.display()),
         "PRAGMA journal_mode=WAL",
         "PRAGMA user_version = 7",
-        "PRAGMA query_only = 0",
-        "PRAGMA case_sensitive_like = 1",
+        "PRAGMA temp_store = FILE",
+        "PRAGMA soft_heap_limit = 1",
+        "PRAGMA writable_schema = 1",
         "VACUUM",
         &format!("VACUUM INTO '{}'", dir.path().join("copy.db").display()),
         "REINDEX",
         "ANALYZE",
-        "BEGIN IMMEDIATE",
-        "SAVEPOINT s",
         "SELECT load_extension('libevil')",
+        "CREATE TEMP TABLE t AS SELECT load_extension('libevil')",
+        "CREATE TEMP TRIGGER tr AFTER INSERT ON temp.x BEGIN DELETE FROM main.item; END",
         "SELECT 1; DROP TABLE item",
         "SELECT 1; DELETE FROM item;",
     ];
@@ -77,6 +81,116 @@ fn writes_attach_pragmas_and_extensions_cannot_change_the_file() {
         std::fs::read_dir(dir.path()).unwrap().count(),
         files_before,
         "a journal, WAL or copy file appeared"
+    );
+}
+
+/// What the reference (a fresh `mode=ro` Python `sqlite3` connection per query) runs
+/// without error, with the rows it returns.
+const HARMLESS: &[(&str, &[i64])] = &[
+    ("ATTACH ':memory:' AS m", &[]),
+    ("ATTACH '' AS m", &[]),
+    ("PRAGMA foreign_keys = ON", &[]),
+    ("PRAGMA case_sensitive_like = 1", &[]),
+    ("PRAGMA busy_timeout = 100", &[100]),
+    ("PRAGMA threads = 2", &[2]),
+    ("PRAGMA query_only = 0", &[]),
+    ("PRAGMA temp_store = MEMORY", &[]),
+    ("CREATE TEMP TABLE s AS SELECT * FROM item LIMIT 5000;", &[]),
+    ("CREATE TEMP TABLE s (x)", &[]),
+    ("CREATE TABLE temp.s (x)", &[]),
+    ("CREATE TEMP VIEW v AS SELECT name FROM item", &[]),
+    ("BEGIN", &[]),
+    ("BEGIN IMMEDIATE", &[]),
+    ("SAVEPOINT s", &[]),
+    ("ANALYZE temp", &[]),
+];
+
+#[test]
+fn harmless_connection_statements_run_and_leave_the_file_byte_identical() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = make_db(dir.path());
+    let before = std::fs::read(&db).unwrap();
+    let sandbox = sandbox();
+    for &(sql, want) in HARMLESS {
+        let got = sandbox
+            .query(&db, sql)
+            .unwrap_or_else(|err| panic!("{sql:?} should run, got {err}"));
+        let want: Vec<Vec<Value>> = want.iter().map(|&v| vec![Value::Integer(v)]).collect();
+        assert_eq!(got.rows, want, "{sql:?}");
+    }
+    assert_eq!(std::fs::read(&db).unwrap(), before, "database file changed");
+    let names: Vec<_> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(
+        names,
+        ["shop.sqlite"],
+        "a journal, WAL or attached file appeared"
+    );
+}
+
+#[test]
+fn connection_state_never_reaches_a_pooled_connection() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = make_db(dir.path());
+    let sandbox = Sandbox::new(SandboxConfig {
+        max_idle_per_db: 1,
+        ..SandboxConfig::default()
+    });
+    let count = |sql: &str| sandbox.query(&db, sql).map(|r| r.rows);
+    sandbox
+        .query(&db, "PRAGMA case_sensitive_like = 1")
+        .unwrap();
+    assert_eq!(
+        count("SELECT count(*) FROM item WHERE name LIKE 'APPLE'").unwrap(),
+        vec![vec![Value::Integer(1)]],
+        "LIKE is still case-insensitive"
+    );
+    sandbox.query(&db, "CREATE TEMP TABLE s (x)").unwrap();
+    assert!(
+        count("SELECT * FROM temp.s").is_err(),
+        "the temp table is gone"
+    );
+    sandbox.query(&db, "ATTACH ':memory:' AS m").unwrap();
+    assert!(
+        count("SELECT * FROM m.sqlite_master").is_err(),
+        "m is detached"
+    );
+    sandbox.query(&db, "BEGIN").unwrap();
+    assert!(count("COMMIT").is_err(), "no transaction is open");
+}
+
+#[test]
+fn strict_read_only_refuses_connection_state() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = make_db(dir.path());
+    let strict = Sandbox::new(SandboxConfig {
+        strict_read_only: true,
+        ..SandboxConfig::default()
+    });
+    for &(sql, _) in HARMLESS {
+        assert!(strict.query(&db, sql).is_err(), "{sql:?} should be refused");
+    }
+    assert!(strict.query(&db, "PRAGMA table_info(item)").is_ok());
+}
+
+/// A temp table lives in memory and may not outgrow the result byte budget.
+#[test]
+fn temp_tables_are_bounded_by_the_byte_budget() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = make_db(dir.path());
+    let small = Sandbox::new(SandboxConfig {
+        max_bytes: 64 << 10,
+        ..SandboxConfig::default()
+    });
+    let outcome = small.query(
+        &db,
+        "CREATE TEMP TABLE big AS SELECT printf('%.1000c', 'x') FROM n",
+    );
+    assert!(
+        matches!(&outcome, Err(SqlError::Sqlite(m)) if m.contains("full")),
+        "{outcome:?}"
     );
 }
 
