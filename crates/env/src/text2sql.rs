@@ -1,29 +1,48 @@
 //! The Arctic / BIRD text-to-SQL reward (`bird_reward.compute_score`) and its single-turn env.
 //!
-//! Scoring, exactly as the reference:
+//! Scoring, exactly as the reference (Python `re`, `json`, `sqlite3`):
 //! 1. **Extraction** from the text after the first `</think>` (or the whole response), first
-//!    hit wins: the last ```` ```sql ```` block whose stripped text is longer than 6 characters;
-//!    the last other fenced block containing `SELECT` (any case); a ```` ```json ```` block's
-//!    `{"sql": ...}`; a raw `SELECT …` up to a blank line or the end. `<answer>` tags are not used.
+//!    hit wins:
+//!    - the last ```` ```sql ```` block whose stripped text is longer than 6 characters
+//!      (case-sensitive prefix match, so ```` ```sqlite ```` yields `ite\nSELECT …`);
+//!    - the last fenced block (fences paired left to right) containing `SELECT` in any case
+//!      and longer than 6 characters, **info string included**: ```` ```SQL ````,
+//!      ```` ```postgresql ```` and ```` ```json ```` blocks yield `SQL\nSELECT …`, which
+//!      fails to run;
+//!    - the first ```` ```json ```` block, from its last `{` to its first `}`, with `\n` and
+//!      `\'` unescaped, parsed leniently (raw newlines inside strings are accepted, `\"`
+//!      is decoded): its `sql` value, unstripped (reached only when no block was found
+//!      above, e.g. a JSON block whose fence closes a code block before it);
+//!    - the first `SELECT` (any case, even inside a word) followed by whitespace and at
+//!      least one character, up to the first `\n\n` or the end. A lone `SELECT` is no SQL.
+//!
+//!    `<answer>` tags are not used. Whitespace is Python's (`\s`, `strip()`).
 //! 2. **Format**: SQL was extracted and the whole response has exactly one `<think>` and one
 //!    `</think>`, in that order.
 //! 3. **LIMIT rule**: unless the upper-cased query contains `LIMIT ` / `LIMIT\n` / `LIMIT\t`
-//!    anywhere (a substring test, so a `LIMIT` in a subquery counts), trailing `;` are dropped
-//!    and ` LIMIT 5000;` is appended; applied to predicted and gold SQL alike.
-//! 4. **Execution** in the read-only [`Sandbox`] (30 s deadline); results are compared as sets
-//!    of rows against each gold query (`alternative_answers` if non-empty, else the ground
-//!    truth): equal → 1.0, different → 0.1, gold failed → 0.0; the best gold wins. A failed or
-//!    timed-out prediction, no SQL, or no `db_path` scores 0.0.
-//! 5. **Format bonus**: when the format is correct, `score = max(score, 0.1)`.
+//!    anywhere (a substring test, so a `LIMIT` in a subquery counts), trailing whitespace and
+//!    `;` are dropped and ` LIMIT 5000;` is appended; applied to predicted and gold SQL alike.
+//! 4. **Gold**: the stripped non-empty `alternative_answers` if that list is non-empty (the
+//!    ground truth is then ignored, even when no alternative survives), else the ground truth
+//!    if non-empty. **No gold: 0.0 with no format bonus**, `execution_success` false (the
+//!    prediction is not run), `format_correct` as computed.
+//! 5. **Execution** in the read-only [`Sandbox`] (30 s deadline); results are compared as sets
+//!    of rows against each gold query: equal → 1.0, different → 0.1, gold failed → 0.0; the
+//!    best gold wins. A failed or timed-out prediction scores 0.0.
+//! 6. **Format bonus**: when the format is correct, `score = max(score, 0.1)`.
 //!
-//! Where the reference's prose leaves a detail open, this follows Arctic's own
-//! `parse_response` (`` ```sql\s*(.*?)\s*``` ``, case-sensitive, so ```` ```sqlite ```` is
-//! a prefix match), and the ```` ```json ```` step is reachable because step 2 skips `json`
-//! fences. Execution follows Python `sqlite3` (see [`crate::sandbox`]). Known differences,
-//! none reachable by a plain `SELECT`: the sandbox refuses writes, `ATTACH` and pragma
-//! assignments outright (the reference's read-only connection refuses writes too, but could
-//! `ATTACH` an existing file); results over 1 000 000 rows or 256 MiB fail; the SQLite
-//! version is rusqlite's bundled one, not Python's.
+//! No `db_path` (absent or empty), or no SQL: 0.0 with `format_correct` false.
+//!
+//! Execution follows Python `sqlite3` (see [`crate::sandbox`]), including statements the
+//! reference runs harmlessly on its fresh per-query connection (`ATTACH ':memory:'`,
+//! connection-level pragmas, `TEMP` tables), which run on a scratch connection with nothing
+//! written to any file. Deliberate differences, for safety: `ATTACH` of a file path,
+//! `VACUUM`, pragmas that are not connection-level, and writes to the database fail (the
+//! reference could attach and create files); results over 1 000 000 rows or 256 MiB fail;
+//! [`crate::sandbox::SandboxConfig::strict_read_only`] (off by default) refuses connection
+//! state as well. Other known differences: a non-string `sql` value in the JSON block
+//! yields no SQL here where the reference raises; `NaN`/`Infinity` in that JSON block
+//! fail to parse here; the SQLite version is rusqlite's bundled one, not Python's.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -81,69 +100,123 @@ fn answer_part(response: &str) -> &str {
     }
 }
 
+/// Python's `\s` and `str.isspace()` also count the separators U+001C–U+001F, which Rust's
+/// `\s` and `char::is_whitespace` do not.
+const PY_SPACE: &str = r"[\s\x1C-\x1F]";
+
+fn is_py_space(c: char) -> bool {
+    c.is_whitespace() || ('\x1C'..='\x1F').contains(&c)
+}
+
+/// Python's `str.strip()`.
+fn py_strip(text: &str) -> &str {
+    text.trim_matches(is_py_space)
+}
+
 /// Extracts the predicted SQL (step 1 of the module docs); `None` if there is none.
 pub fn extract_sql(response: &str) -> Option<String> {
-    static SQL_BLOCK: OnceLock<Regex> = OnceLock::new();
-    static ANY_BLOCK: OnceLock<Regex> = OnceLock::new();
-    static INFO_LINE: OnceLock<Regex> = OnceLock::new();
-    static JSON_BLOCK: OnceLock<Regex> = OnceLock::new();
-    static RAW_SELECT: OnceLock<Regex> = OnceLock::new();
     let text = answer_part(response);
+    sql_fence(text)
+        .or_else(|| generic_fence(text))
+        .or_else(|| json_fence(text))
+        .or_else(|| raw_select(text))
+}
 
-    let sql_blocks = regex(&SQL_BLOCK, r"(?s)```sql\s*(.*?)\s*```");
-    let sql = sql_blocks
+/// The last ```` ```sql ```` block longer than 6 characters once stripped. Case-sensitive
+/// and a prefix match: ```` ```sqlite ```` yields `ite` and what follows.
+fn sql_fence(text: &str) -> Option<String> {
+    static SQL_BLOCK: OnceLock<Regex> = OnceLock::new();
+    let blocks = regex(
+        &SQL_BLOCK,
+        &format!(r"(?s)```sql{PY_SPACE}*(.*?){PY_SPACE}*```"),
+    );
+    let found: Vec<_> = blocks
         .captures_iter(text)
-        .map(|c| c[1].trim().to_string())
-        .filter(|block| block.chars().count() > 6)
-        .last();
-    if sql.is_some() {
-        return sql;
-    }
+        .map(|c| c[1].to_string())
+        .collect();
+    found
+        .iter()
+        .rev()
+        .map(|block| py_strip(block))
+        .find(|block| block.chars().count() > 6)
+        .map(str::to_string)
+}
 
-    // Other fences: drop the info string (`sqlite`, `SQL`, …); `json` fences are step 3.
-    let any_block = regex(&ANY_BLOCK, r"(?s)```(.*?)```");
-    let info_line = regex(&INFO_LINE, r"^[A-Za-z0-9_+.-]*[ \t]*\n");
-    let generic = any_block
+/// The last fenced block (fences paired left to right) containing `SELECT` in any case and
+/// longer than 6 characters. The info string stays in: ```` ```SQL ````, ```` ```postgresql ````
+/// and ```` ```json ```` blocks yield `SQL\nSELECT …`, which then fails to run.
+fn generic_fence(text: &str) -> Option<String> {
+    static ANY_BLOCK: OnceLock<Regex> = OnceLock::new();
+    let blocks = regex(
+        &ANY_BLOCK,
+        &format!(r"(?s)```{PY_SPACE}*(.*?){PY_SPACE}*```"),
+    );
+    let found: Vec<_> = blocks
         .captures_iter(text)
-        .filter_map(|c| {
-            let body = c.get(1).expect("group 1 always participates").as_str();
-            if body
-                .get(..4)
-                .is_some_and(|head| head.eq_ignore_ascii_case("json"))
-            {
-                return None;
-            }
-            let code = match info_line.find(body) {
-                Some(m) => &body[m.end()..],
-                None => body,
-            };
-            let code = code.trim();
-            code.to_uppercase()
-                .contains("SELECT")
-                .then(|| code.to_string())
-        })
-        .last();
-    if generic.is_some() {
-        return generic;
-    }
+        .map(|c| c[1].to_string())
+        .collect();
+    found
+        .iter()
+        .rev()
+        .map(|block| py_strip(block))
+        .find(|block| block.to_uppercase().contains("SELECT") && block.chars().count() > 6)
+        .map(str::to_string)
+}
 
-    let json_blocks = regex(&JSON_BLOCK, r"(?si)```json\s*(.*?)\s*```");
-    let from_json = json_blocks
-        .captures_iter(text)
-        .filter_map(|c| {
-            let parsed: Value = serde_json::from_str(&c[1]).ok()?;
-            let sql = parsed.get("sql")?.as_str()?.trim();
-            (!sql.is_empty()).then(|| sql.to_string())
-        })
-        .last();
-    if from_json.is_some() {
-        return from_json;
+/// The `sql` value of the first ```` ```json ```` block, read as the reference reads it:
+/// from the block's last `{` to its first `}` (so nested objects are not found), with `\n`
+/// and `\'` unescaped first, parsed as `json.loads(strict=False)`. The value is returned as
+/// it is, unstripped; a value that is not a non-empty string yields nothing (the reference
+/// raises on a non-string one).
+fn json_fence(text: &str) -> Option<String> {
+    static JSON_BLOCK: OnceLock<Regex> = OnceLock::new();
+    let block = regex(&JSON_BLOCK, &format!(r"(?s)```{PY_SPACE}*json(.*?)```"));
+    let body = block.captures(text)?.get(1)?.as_str();
+    let (left, right) = (body.rfind('{')?, body.find('}')?);
+    let object = body.get(left..=right).unwrap_or("");
+    let unescaped = object.replace("\\n", "\n").replace("\\'", "'");
+    let parsed: Value = python_json_loads(&unescaped)?;
+    match parsed.get("sql")? {
+        Value::String(sql) if !sql.is_empty() => Some(sql.clone()),
+        _ => None,
     }
+}
 
-    let raw = regex(&RAW_SELECT, r"(?si)\bSELECT\b.*?(?:\n\s*\n|\z)");
-    raw.find(text)
-        .map(|m| m.as_str().trim().to_string())
-        .filter(|sql| !sql.is_empty())
+/// `json.loads(text, strict=False)` for the inputs [`json_fence`] sees: control characters
+/// inside strings (raw newlines, tabs) are accepted, which `serde_json` rejects, so they
+/// are escaped before parsing. Differences left: `NaN`, `Infinity` and out-of-range
+/// numbers, which Python accepts, fail here.
+fn python_json_loads(text: &str) -> Option<Value> {
+    let mut escaped = String::with_capacity(text.len());
+    let (mut in_string, mut after_backslash) = (false, false);
+    for c in text.chars() {
+        if in_string && !after_backslash && c < ' ' {
+            escaped.push_str(&format!("\\u{:04x}", u32::from(c)));
+            continue;
+        }
+        escaped.push(c);
+        if after_backslash {
+            after_backslash = false;
+        } else if in_string && c == '\\' {
+            after_backslash = true;
+        } else if c == '"' {
+            in_string = !in_string;
+        }
+    }
+    serde_json::from_str(&escaped).ok()
+}
+
+/// The first `SELECT`, any case and even inside a word, followed by whitespace and at least
+/// one character, up to the first blank line (`\n\n` exactly) or the end of the text.
+fn raw_select(text: &str) -> Option<String> {
+    static RAW_SELECT: OnceLock<Regex> = OnceLock::new();
+    // Python's `$` without MULTILINE also matches before a final newline.
+    let raw = regex(
+        &RAW_SELECT,
+        &format!(r"(?si)(SELECT{PY_SPACE}+.+?)(?:\n\n|\n\z|\z)"),
+    );
+    let found = raw.captures(text)?.get(1)?.as_str();
+    Some(py_strip(found).to_string())
 }
 
 /// Exactly one `<think>` and one `</think>`, the opening first (the tag part of the format check).
@@ -153,16 +226,22 @@ pub fn think_tags_ok(response: &str) -> bool {
         && response.find("<think>") < response.find("</think>")
 }
 
-/// Applies the reference's LIMIT rule (step 3 of the module docs).
+/// Applies the reference's LIMIT rule (step 3 of the module docs); an empty query is left
+/// empty.
 pub fn with_limit(sql: &str) -> String {
     let upper = sql.to_uppercase();
-    if ["LIMIT ", "LIMIT\n", "LIMIT\t"]
-        .iter()
-        .any(|needle| upper.contains(needle))
+    if sql.is_empty()
+        || ["LIMIT ", "LIMIT\n", "LIMIT\t"]
+            .iter()
+            .any(|needle| upper.contains(needle))
     {
         sql.to_string()
     } else {
-        format!("{} LIMIT 5000;", sql.trim_end().trim_end_matches(';'))
+        let body = sql
+            .trim_end_matches(is_py_space)
+            .trim_end_matches(';')
+            .trim_end_matches(is_py_space);
+        format!("{body} LIMIT 5000;")
     }
 }
 
@@ -192,6 +271,23 @@ pub fn combine(
     }
 }
 
+/// The gold queries, as the reference picks them: the stripped non-empty alternative
+/// answers when the list is non-empty (even if none survive: the ground truth is then not
+/// used), else the ground truth when it is non-empty.
+fn gold_queries<'a>(case: &Text2SqlCase<'a>) -> Vec<&'a str> {
+    if case.alternative_answers.is_empty() {
+        return [case.ground_truth]
+            .into_iter()
+            .filter(|gold| !gold.is_empty())
+            .collect();
+    }
+    case.alternative_answers
+        .iter()
+        .map(|gold| py_strip(gold))
+        .filter(|gold| !gold.is_empty())
+        .collect()
+}
+
 /// Computes the reward over a shared [`Sandbox`], caching gold results (the same gold query
 /// is scored once per sample of a group; databases are immutable, so its result is too).
 pub struct Text2SqlReward {
@@ -218,43 +314,42 @@ impl Text2SqlReward {
 
     /// Scores one case.
     pub fn score(&self, case: &Text2SqlCase<'_>) -> Text2SqlScore {
-        let sql = extract_sql(case.response);
-        let format_correct = sql.is_some() && think_tags_ok(case.response);
-        let (Some(sql), Some(db)) = (sql, case.db_path) else {
-            return Text2SqlScore {
-                score: 0.0,
-                format_correct,
-                execution_success: false,
-            };
+        let nothing = |format_correct| Text2SqlScore {
+            score: 0.0,
+            format_correct,
+            execution_success: false,
         };
+        // No database: nothing is checked, not even the format.
+        let Some(db) = case.db_path.filter(|db| !db.as_os_str().is_empty()) else {
+            return nothing(false);
+        };
+        let Some(sql) = extract_sql(case.response) else {
+            return nothing(false);
+        };
+        let format_correct = think_tags_ok(case.response);
+        let golds = gold_queries(case);
+        // No gold: 0.0, and the prediction is not run, so no format bonus either.
+        if golds.is_empty() {
+            return nothing(format_correct);
+        }
         let predicted = self
             .sandbox
             .query_with_timeout(db, &with_limit(&sql), self.timeout)
             .ok()
             .map(|result| result.into_set());
-        let execution_success = predicted.is_some();
-        let score = match &predicted {
-            None => combine(format_correct, None, []),
-            Some(predicted) => {
-                let golds: Vec<&str> = if case.alternative_answers.is_empty() {
-                    vec![case.ground_truth]
-                } else {
-                    case.alternative_answers
-                        .iter()
-                        .map(String::as_str)
-                        .collect()
-                };
-                combine(
-                    format_correct,
-                    Some(predicted),
-                    golds.into_iter().map(|gold| self.gold_result(db, gold)),
-                )
-            }
-        };
+        let score = combine(
+            format_correct,
+            predicted.as_ref(),
+            predicted
+                .is_some()
+                .then(|| golds.iter().map(|gold| self.gold_result(db, gold)))
+                .into_iter()
+                .flatten(),
+        );
         Text2SqlScore {
             score,
             format_correct,
-            execution_success,
+            execution_success: predicted.is_some(),
         }
     }
 
@@ -298,20 +393,23 @@ pub struct Text2SqlEnv {
 
 impl Text2SqlEnv {
     /// Builds the env from a verl-style row: gold SQL in `reward_model.ground_truth` (or
-    /// `reward_spec.ground_truth`), `extra_info.db_path`, optional
-    /// `extra_info.alternative_answers`.
+    /// `reward_spec.ground_truth`; missing or null scores 0.0), `extra_info.db_path`,
+    /// optional `extra_info.alternative_answers`.
     pub fn from_extras(reward: Arc<Text2SqlReward>, extras: &Value) -> Result<Self, EnvError> {
         let bad = |field, problem: &str| EnvError::BadExtras {
             env: TEXT2SQL,
             field,
             problem: problem.to_string(),
         };
-        let ground_truth = json_path(extras, "reward_model.ground_truth")
+        // A missing or null gold is the reference's `ground_truth=None`: every answer scores
+        // 0.0 (see `gold_queries`), which is not a malformed row.
+        let ground_truth = match json_path(extras, "reward_model.ground_truth")
             .or_else(|| json_path(extras, "reward_spec.ground_truth"))
-            .ok_or_else(|| bad("reward_model.ground_truth", "is missing"))?
-            .as_str()
-            .ok_or_else(|| bad("reward_model.ground_truth", "is not a string"))?
-            .to_string();
+        {
+            None | Some(Value::Null) => String::new(),
+            Some(Value::String(gold)) => gold.clone(),
+            Some(_) => return Err(bad("reward_model.ground_truth", "is not a string")),
+        };
         let db_path = match json_path(extras, "extra_info.db_path") {
             None => None,
             Some(v) => {

@@ -145,8 +145,10 @@ fn cases() -> Vec<Case> {
             (0.0, false, false),
         ),
         case(
-            "a json block's sql key",
-            think(&format!("```json\n{{\"sql\": \"{correct}\"}}\n```")),
+            "a json block's sql key, after a code block whose closing fence it shares",
+            think(&format!(
+                "```python\nplan = 1\n```json\n{{\"sql\": \"{correct}\"}}\n```"
+            )),
             (1.0, true, true),
         ),
         case(
@@ -283,8 +285,15 @@ fn no_db_path_scores_zero() {
         alternative_answers: &[],
         db_path: None,
     });
-    assert_eq!(got.score, 0.0);
-    assert!(!got.execution_success);
+    assert_eq!(
+        got,
+        Text2SqlScore {
+            score: 0.0,
+            format_correct: false,
+            execution_success: false
+        },
+        "the reference checks nothing, not even the format, without a database"
+    );
 }
 
 #[test]
@@ -294,6 +303,12 @@ fn limit_rule_is_a_substring_test() {
         with_limit("SELECT a FROM t;\n"),
         "SELECT a FROM t LIMIT 5000;"
     );
+    assert_eq!(
+        with_limit("SELECT a FROM t ; "),
+        "SELECT a FROM t LIMIT 5000;",
+        "whitespace before the dropped `;` goes too (Python's rstrip, rstrip(';'), rstrip)"
+    );
+    assert_eq!(with_limit(""), "", "an empty query stays empty");
     assert_eq!(
         with_limit("select a from t limit 3"),
         "select a from t limit 3"
@@ -332,11 +347,11 @@ fn extraction_order() {
     );
     assert_eq!(
         extract_sql("```SQL\nSELECT a FROM t\n```").as_deref(),
-        Some("SELECT a FROM t"),
-        "other info strings are generic blocks"
+        Some("SQL\nSELECT a FROM t"),
+        "other info strings are generic blocks, the word kept"
     );
     assert_eq!(
-        extract_sql("```json\n{\"sql\": \"SELECT b FROM t\"}\n```").as_deref(),
+        extract_sql("```\nx\n```json\n{\"sql\": \"SELECT b FROM t\"}\n```").as_deref(),
         Some("SELECT b FROM t")
     );
     assert_eq!(
@@ -360,4 +375,296 @@ fn fence_starting_with_multibyte_text_is_read_not_panicked_on() {
     let response = "<think>plan</think>\n```éé\nSELECT name FROM t\n```";
     let sql = extract_sql(response).expect("the fenced SELECT is found");
     assert!(sql.ends_with("SELECT name FROM t"), "{sql:?}");
+}
+
+/// What Python's `re` and `json.loads(strict=False)` extract from each response, as the
+/// reference's extraction steps apply them (expected values computed with Python 3.11).
+#[test]
+fn extraction_matches_python_re_and_json_on_each_kind() {
+    let cases: &[(&str, &str, Option<&str>)] = &[
+        ("kind1: a json block containing SELECT is a generic block, fence word and all", "<think>\nsingers aged 30\n</think>\n<answer>\n```json\n{\"sql\": \"SELECT name FROM singer WHERE age = 30\"}\n```\n</answer>", Some("json\n{\"sql\": \"SELECT name FROM singer WHERE age = 30\"}")),
+        ("kind1: a json fence that closes a code block is read for its sql key; escaped quotes decode", "<think>\nsingers aged 30\n</think>\n<answer>\n```python\nplan = 1\n```json\n{\"sql\": \"SELECT name AS \\\"name\\\" FROM singer WHERE age = 30\"}\n```\n</answer>", Some("SELECT name AS \"name\" FROM singer WHERE age = 30")),
+        ("kind1: escaped single quotes are unescaped before parsing", "<think>\nsingers aged 30\n</think>\n<answer>\n```python\nplan = 1\n```json\n{\"sql\": \"SELECT name FROM singer WHERE name = \\'Ann\\' OR age = 30\"}\n```\n</answer>", Some("SELECT name FROM singer WHERE name = 'Ann' OR age = 30")),
+        ("kind1: raw newlines inside the JSON string are accepted (strict=False)", "<think>\nsingers aged 30\n</think>\n<answer>\n```python\nplan = 1\n```json\n{\"sql\": \"SELECT name\nFROM singer\nWHERE age = 30\"}\n```\n</answer>", Some("SELECT name\nFROM singer\nWHERE age = 30")),
+        ("kind1: a nested object hides the sql key (last { to first })", "<think>\nsingers aged 30\n</think>\n<answer>\n```python\nplan = 1\n```json\n{\"sql\": \"SELECT name FROM singer WHERE age = 30\", \"meta\": {\"k\": 1}}\n```\n</answer>", Some("SELECT name FROM singer WHERE age = 30\", \"meta\": {\"k\": 1}}\n```\n</answer>")),
+        ("kind1: JSON without SELECT, then raw SQL up to the end", "<think>\nsingers aged 30\n</think>\n<answer>\n```json\n{\"tables\": [\"singer\"]}\n```\nSELECT name FROM singer WHERE age = 30\n</answer>", Some("SELECT name FROM singer WHERE age = 30\n</answer>")),
+        ("kind1: a code block mentioning select wins over the SQL after it", "<think>\nsingers aged 30\n</think>\n<answer>\n```\nselect the singers\n```\nSELECT name FROM singer WHERE age = 30\n</answer>", Some("select the singers")),
+        ("kind2: ```SQL keeps the word", "<think>\nsingers aged 30\n</think>\n<answer>\n```SQL\nSELECT name FROM singer WHERE age = 30\n```\n</answer>", Some("SQL\nSELECT name FROM singer WHERE age = 30")),
+        ("kind2: ```postgresql keeps the word", "<think>\nsingers aged 30\n</think>\n<answer>\n```postgresql\nSELECT name FROM singer WHERE age = 30\n```\n</answer>", Some("postgresql\nSELECT name FROM singer WHERE age = 30")),
+        ("kind2: ```sqlite is a prefix match of ```sql", "<think>\nsingers aged 30\n</think>\n<answer>\n```sqlite\nSELECT name FROM singer WHERE age = 30\n```\n</answer>", Some("ite\nSELECT name FROM singer WHERE age = 30")),
+        ("kind2: ```Sql keeps the word", "<think>\nsingers aged 30\n</think>\n<answer>\n```Sql\nSELECT name FROM singer WHERE age = 30;\n```\n</answer>", Some("Sql\nSELECT name FROM singer WHERE age = 30;")),
+        ("kind5: a lone SELECT inside answer tags takes the closing tag along", "<think>\nsingers aged 30\n</think>\n<answer>\nSELECT\n</answer>", Some("SELECT\n</answer>")),
+        ("kind5: a lone SELECT at the end is no SQL", "<think>x</think>SELECT", None),
+        ("kind5: a lone SELECT and a final newline is no SQL", "<think>x</think>SELECT\n", None),
+        ("kind5: SELECT * is SQL", "<think>x</think>SELECT *", Some("SELECT *")),
+        ("kind5: a ```sql block of 6 characters falls to the generic block", "<think>x</think>```sql\nSELECT\n```", Some("sql\nSELECT")),
+        ("kind5: SELECT inside a word counts", "<think>x</think>I will unselect nothing", Some("select nothing")),
+        ("kind5: a blank line right after SELECT does not end it", "<think>x</think>SELECT\n\nname FROM singer", Some("SELECT\n\nname FROM singer")),
+        ("kind5: a generic block of 6 characters falls to the raw SELECT", "<think>x</think>```\nSELECT\n```", Some("SELECT\n```")),
+        ("kind5: an empty ```sql block is no SQL", "<think>x</think>```sql\n```", None),
+        ("kind5: selection is not SELECT and whitespace", "<think>x</think>selection\n", None),
+        ("python whitespace: U+001F separates like a space", "<think>x</think>SELECT\u{1f}1", Some("SELECT\u{1f}1")),
+    ];
+    let failures: Vec<String> = cases
+        .iter()
+        .filter_map(|&(name, response, want)| {
+            let got = extract_sql(response);
+            (got.as_deref() != want).then(|| format!("{name}: got {got:?}, want {want:?}"))
+        })
+        .collect();
+    assert!(failures.is_empty(), "\n{}", failures.join("\n"));
+}
+
+/// Scores `response` against `gold` (and `alternatives`) on a fresh database; returns the
+/// score and whether the database file kept every byte.
+fn score_on_db(response: &str, gold: &str, alternatives: &[&str]) -> (Text2SqlScore, bool) {
+    let dir = tempfile::tempdir().unwrap();
+    let db = make_db(dir.path());
+    let before = std::fs::read(&db).unwrap();
+    let alternatives: Vec<String> = alternatives.iter().map(|s| s.to_string()).collect();
+    let got = reward().score(&Text2SqlCase {
+        response,
+        ground_truth: gold,
+        alternative_answers: &alternatives,
+        db_path: Some(&db),
+    });
+    (got, std::fs::read(&db).unwrap() == before)
+}
+
+/// (name, response, gold, (score, format_correct, execution_success)).
+type ScoreCase<'a> = (&'a str, String, &'a str, (f64, bool, bool));
+
+fn assert_scores(cases: &[ScoreCase<'_>]) {
+    let failures: Vec<String> = cases
+        .iter()
+        .filter_map(
+            |(name, response, gold, (score, format_correct, execution_success))| {
+                let (got, unchanged) = score_on_db(response, gold, &[]);
+                let want = Text2SqlScore {
+                    score: *score,
+                    format_correct: *format_correct,
+                    execution_success: *execution_success,
+                };
+                (got != want || !unchanged).then(|| {
+                    format!("{name}: got {got:?} (db unchanged: {unchanged}), want {want:?}")
+                })
+            },
+        )
+        .collect();
+    assert!(failures.is_empty(), "\n{}", failures.join("\n"));
+}
+
+#[test]
+fn kind1_json_and_code_blocks_before_the_sql_score_as_the_reference() {
+    let json = "{\"sql\": \"SELECT name FROM singer WHERE age = 30\"}";
+    assert_scores(&[
+        (
+            "a json block with SELECT runs as `json\\n{...}` and fails",
+            think(&format!("```json\n{json}\n```")),
+            GOLD,
+            (0.1, true, false),
+        ),
+        (
+            "the same without think tags earns nothing",
+            format!("```json\n{json}\n```"),
+            GOLD,
+            (0.0, false, false),
+        ),
+        (
+            "escaped double quotes decode",
+            think(
+                "```python\nplan = 1\n```json\n\
+                 {\"sql\": \"SELECT name AS \\\"name\\\" FROM singer WHERE age = 30\"}\n```",
+            ),
+            GOLD,
+            (1.0, true, true),
+        ),
+        (
+            "raw newlines inside the JSON string are accepted",
+            think(
+                "```python\nplan = 1\n```json\n\
+                 {\"sql\": \"SELECT name\nFROM singer\nWHERE age = 30\"}\n```",
+            ),
+            GOLD,
+            (1.0, true, true),
+        ),
+        (
+            "a code block mentioning select is taken instead of the SQL after it",
+            think("```\nselect the singers\n```\nSELECT name FROM singer WHERE age = 30"),
+            GOLD,
+            (0.1, true, false),
+        ),
+        (
+            "JSON without SELECT, then raw SQL followed by a blank line",
+            think("```json\n{\"tables\": [\"singer\"]}\n```\nSELECT name FROM singer WHERE age = 30\n\n"),
+            GOLD,
+            (1.0, true, true),
+        ),
+    ]);
+}
+
+#[test]
+fn kind2_a_fence_naming_another_case_or_dialect_keeps_the_word_and_fails() {
+    let body = "\nSELECT name FROM singer WHERE age = 30\n```";
+    let mut cases = Vec::new();
+    for fence in ["```SQL", "```Sql", "```postgresql", "```sqlite", "```mysql"] {
+        cases.push((
+            fence,
+            think(&format!("{fence}{body}")),
+            GOLD,
+            (0.1, true, false),
+        ));
+        cases.push((fence, format!("{fence}{body}"), GOLD, (0.0, false, false)));
+    }
+    cases.push((
+        "```sql itself",
+        think(&format!("```sql{body}")),
+        GOLD,
+        (1.0, true, true),
+    ));
+    assert_scores(&cases);
+}
+
+#[test]
+fn kind3_a_missing_or_empty_gold_scores_zero_without_the_format_bonus() {
+    let answer = think(&sql_block("SELECT name FROM singer WHERE age = 30"));
+    let zero = Text2SqlScore {
+        score: 0.0,
+        format_correct: true,
+        execution_success: false,
+    };
+    assert_eq!(score_on_db(&answer, "", &[]).0, zero, "empty ground truth");
+    assert_eq!(
+        score_on_db(&answer, GOLD, &["", "  \n"]).0,
+        zero,
+        "alternatives that are all blank replace even a good ground truth"
+    );
+    assert_eq!(
+        score_on_db(
+            &answer,
+            "",
+            &["  SELECT name FROM singer WHERE age = 30 \n"]
+        )
+        .0,
+        Text2SqlScore {
+            score: 1.0,
+            format_correct: true,
+            execution_success: true
+        },
+        "alternatives are stripped"
+    );
+    // A whitespace-only gold is not empty: it runs, fails, and the bonus applies.
+    assert_eq!(score_on_db(&answer, " ", &[]).0.score, 0.1);
+}
+
+#[test]
+fn kind3_a_row_without_gold_builds_an_env_that_scores_zero() {
+    use floe_env::env::Env;
+    use floe_env::text2sql::Text2SqlEnv;
+    let dir = tempfile::tempdir().unwrap();
+    let db = make_db(dir.path());
+    for gold in [serde_json::json!(null), serde_json::json!("")] {
+        let extras = serde_json::json!({
+            "reward_model": {"ground_truth": gold},
+            "extra_info": {"db_path": db.to_str().unwrap()},
+        });
+        let mut env = Text2SqlEnv::from_extras(Arc::new(reward()), &extras).unwrap();
+        let out = env.step(&think(&sql_block(GOLD))).unwrap();
+        assert_eq!(out.reward, 0.0, "gold {gold}");
+        assert_eq!(out.metrics["format_correct"], 1.0);
+        assert_eq!(out.metrics["execution_success"], 0.0);
+    }
+}
+
+#[test]
+fn kind4_harmless_statements_run_and_leave_the_db_bytes_unchanged() {
+    let empty_gold = "SELECT name FROM singer WHERE age = 99";
+    assert_scores(&[
+        (
+            "a TEMP table from a SELECT returns no rows, like an empty gold",
+            think(&sql_block(
+                "CREATE TEMP TABLE s AS SELECT name FROM singer WHERE age = 30",
+            )),
+            empty_gold,
+            (1.0, true, true),
+        ),
+        (
+            "ATTACH ':memory:' runs (a LIMIT in a comment stops the appended one)",
+            sql_block("ATTACH ':memory:' AS m -- LIMIT 1"),
+            GOLD,
+            (0.1, false, true),
+        ),
+        (
+            "a connection pragma returns its row",
+            sql_block("PRAGMA busy_timeout = 100 /* LIMIT\n */"),
+            "SELECT 100",
+            (1.0, false, true),
+        ),
+        (
+            "a pragma with the appended LIMIT is a syntax error, as in the reference",
+            sql_block("PRAGMA foreign_keys = ON"),
+            GOLD,
+            (0.0, false, false),
+        ),
+        (
+            "attaching a file is still refused",
+            sql_block("ATTACH 'other.sqlite' AS o -- LIMIT 1"),
+            GOLD,
+            (0.0, false, false),
+        ),
+        (
+            "writes are still refused",
+            sql_block("DELETE FROM singer -- LIMIT 1"),
+            GOLD,
+            (0.0, false, false),
+        ),
+    ]);
+}
+
+#[test]
+fn kind5_degenerate_answers_score_as_the_reference() {
+    assert_scores(&[
+        (
+            "a lone SELECT is no SQL",
+            "<think>x</think>SELECT".into(),
+            GOLD,
+            (0.0, false, false),
+        ),
+        (
+            "SELECT and a newline",
+            "<think>x</think>\nSELECT\n".into(),
+            GOLD,
+            (0.0, false, false),
+        ),
+        (
+            "a lone SELECT inside answer tags runs with the tag and fails",
+            think("SELECT"),
+            GOLD,
+            (0.1, true, false),
+        ),
+        (
+            "a ```sql block holding only SELECT",
+            think(&sql_block("SELECT")),
+            GOLD,
+            (0.1, true, false),
+        ),
+        (
+            "SELECT *",
+            "<think>x</think>SELECT *".into(),
+            GOLD,
+            (0.1, true, false),
+        ),
+        (
+            "an empty ```sql block",
+            "<think>x</think>```sql\n```".into(),
+            GOLD,
+            (0.0, false, false),
+        ),
+        (
+            "selection",
+            "<think>x</think>selection".into(),
+            GOLD,
+            (0.0, false, false),
+        ),
+    ]);
 }
