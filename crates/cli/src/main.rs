@@ -34,6 +34,9 @@ enum Command {
     Plan(cmd::plan::Args),
     /// Serve the Tinker HTTP API (training and sampling) for the `tinker` SDK.
     Serve(cmd::serve::Args),
+    /// Issue, revoke and list the API keys of a server's `--api-key-file`.
+    #[command(subcommand)]
+    Keys(cmd::keys::Command),
 }
 
 fn main() -> std::process::ExitCode {
@@ -54,6 +57,7 @@ fn main() -> std::process::ExitCode {
         Command::Bench(args) => cmd::bench::run(args),
         Command::Plan(args) => cmd::plan::run(args),
         Command::Serve(args) => cmd::serve::run(args),
+        Command::Keys(command) => cmd::keys::run(command),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

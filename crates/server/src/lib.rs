@@ -16,6 +16,7 @@ pub mod catalog;
 pub mod convert;
 pub mod error;
 pub mod futures;
+pub mod keys;
 pub mod native;
 pub mod proto;
 pub mod rest;
@@ -34,6 +35,7 @@ use axum::routing::{delete, get, post};
 use axum::Router;
 
 pub use catalog::Catalog;
+pub use keys::ApiKeys;
 pub use state::{Auth, ServerConfig};
 
 use crate::error::ApiError;
@@ -142,7 +144,7 @@ async fn authenticate(
             .get(API_KEY_HEADER)
             .and_then(|v| v.to_str().ok());
         match key {
-            Some(key) if keys.contains(key) => {}
+            Some(key) if keys.accepts(key) => {}
             Some(_) => {
                 return Err(ApiError::new(
                     StatusCode::UNAUTHORIZED,

@@ -2,7 +2,7 @@
 //! run strictly by `seq_id`), sampling sessions, the futures table, and the mapping of
 //! `tinker://` paths to checkpoint folders.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap};
 use std::hash::{BuildHasher, RandomState};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -23,7 +23,7 @@ use crate::worker::{Job, QueueError, Worker};
 #[derive(Clone, Debug)]
 pub enum Auth {
     /// `X-API-Key` must be one of these.
-    Keys(HashSet<String>),
+    Keys(std::sync::Arc<crate::keys::ApiKeys>),
     /// No key needed; only allowed on a loopback address.
     InsecureLoopback,
 }

@@ -4,6 +4,7 @@ pub mod bench;
 pub mod data;
 pub mod eval;
 pub mod export;
+pub mod keys;
 pub mod plan;
 pub mod reward;
 pub mod serve;

@@ -1,16 +1,16 @@
 //! `floe serve`: the Tinker-protocol server, so the `tinker` SDK and cookbook train and
 //! sample floe models over HTTP (`TINKER_BASE_URL=http://HOST:PORT`).
 
-use std::collections::HashSet;
 use std::net::IpAddr;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::{bail, Context};
+use anyhow::bail;
 use floe_engine::policy::OptimizerPlacement;
 use floe_engine::Device;
 use floe_engine::LocalEngineOptions;
-use floe_server::{Auth, Catalog, ServerConfig};
+use floe_server::{ApiKeys, Auth, Catalog, ServerConfig};
 
 /// Environment variable with comma-separated accepted API keys.
 const API_KEYS_ENV: &str = "FLOE_API_KEYS";
@@ -30,8 +30,9 @@ pub struct Args {
     /// Port to listen on.
     #[arg(long, default_value_t = 8000)]
     port: u16,
-    /// File of accepted API keys, one per line (`#` comments); keys in FLOE_API_KEYS
-    /// (comma-separated) are accepted too.
+    /// File of accepted API keys, `KEY  # NAME` a line, re-read when it changes: `floe
+    /// keys issue|revoke|list --file` manages it while the server runs. Keys in
+    /// FLOE_API_KEYS (comma-separated) are accepted too.
     #[arg(long)]
     api_key_file: Option<PathBuf>,
     /// Accept requests without a key; only on a loopback host.
@@ -153,27 +154,30 @@ fn auth(args: &Args) -> anyhow::Result<Auth> {
         }
         return Ok(Auth::InsecureLoopback);
     }
-    let mut keys = HashSet::new();
-    if let Some(file) = &args.api_key_file {
-        let text = std::fs::read_to_string(file)
-            .with_context(|| format!("reading --api-key-file {}", file.display()))?;
-        keys.extend(
-            text.lines()
-                .map(str::trim)
-                .filter(|line| !line.is_empty() && !line.starts_with('#'))
-                .map(String::from),
-        );
-    }
-    if let Ok(env) = std::env::var(API_KEYS_ENV) {
-        keys.extend(
+    let env_keys: Vec<String> = std::env::var(API_KEYS_ENV)
+        .map(|env| {
             env.split(',')
                 .map(str::trim)
                 .filter(|k| !k.is_empty())
-                .map(String::from),
-        );
-    }
-    if keys.is_empty() {
-        bail!("no API keys: give --api-key-file or {API_KEYS_ENV}, or --insecure-loopback on 127.0.0.1");
-    }
-    Ok(Auth::Keys(keys))
+                .map(String::from)
+                .collect()
+        })
+        .unwrap_or_default();
+    let keys = match &args.api_key_file {
+        Some(file) => {
+            if !file.is_file() {
+                bail!(
+                    "--api-key-file {}: no such file; issue a key into it with `floe keys issue --file {} --name NAME`",
+                    file.display(),
+                    file.display()
+                );
+            }
+            ApiKeys::with_file(env_keys, file).map_err(|e| anyhow::anyhow!("--api-key-file {e}"))?
+        }
+        None if env_keys.is_empty() => {
+            bail!("no API keys: give --api-key-file or {API_KEYS_ENV}, or --insecure-loopback on 127.0.0.1")
+        }
+        None => ApiKeys::fixed(env_keys),
+    };
+    Ok(Auth::Keys(Arc::new(keys)))
 }

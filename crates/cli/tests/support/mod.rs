@@ -23,6 +23,12 @@ impl Server {
     /// Starts `floe serve --model tiny=embedded:tiny` with `data_dir`, accepting the
     /// API key `api_key`, and waits until it accepts connections.
     pub fn start(data_dir: &Path, api_key: &str) -> Server {
+        Self::start_with(data_dir, Some(api_key), &[])
+    }
+
+    /// [`Server::start`] with the keys of `FLOE_API_KEYS` (none when `None`) and more
+    /// flags.
+    pub fn start_with(data_dir: &Path, api_keys: Option<&str>, flags: &[&str]) -> Server {
         // A port the OS just handed out is free; another process could take it before
         // the server binds, which the connect loop below would report.
         let port = TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
@@ -40,7 +46,8 @@ impl Server {
             .args(["--port", &port.to_string(), "--threads", "2"])
             .arg("--data-dir")
             .arg(data_dir)
-            .env("FLOE_API_KEYS", api_key)
+            .args(flags)
+            .env("FLOE_API_KEYS", api_keys.unwrap_or(""))
             .stdout(Stdio::null())
             .stderr(Stdio::inherit())
             .spawn()

@@ -2,14 +2,15 @@
 
 #![allow(dead_code)]
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::path::Path;
+use std::sync::Arc;
 use std::time::Duration;
 
 use floe_engine::LocalEngineOptions;
-use floe_server::{proto, Auth, Catalog, ServerConfig};
+use floe_server::{proto, ApiKeys, Auth, Catalog, ServerConfig};
 
 /// The key the test servers accept.
 pub const KEY: &str = "tml-test-key";
@@ -33,7 +34,7 @@ pub fn config(data_dir: &Path) -> ServerConfig {
     ServerConfig {
         catalog: Catalog::from_specs(&[format!("{BASE_MODEL}=embedded:tiny")]).unwrap(),
         data_dir: data_dir.to_path_buf(),
-        auth: Auth::Keys(HashSet::from([KEY.to_string()])),
+        auth: Auth::Keys(Arc::new(ApiKeys::fixed([KEY]))),
         engine: LocalEngineOptions {
             kv_cache_bytes: Some(16 << 20),
             max_running_seqs: 16,
