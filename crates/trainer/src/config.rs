@@ -314,6 +314,10 @@ pub struct GeneratorConfig {
     pub eval_n_samples_per_prompt: usize,
     /// Score finished completions in worker threads while the rest are still generating.
     pub async_scoring: bool,
+    /// DAPO overlong filtering (SkyRL's key): training responses whose last turn stopped
+    /// at the length limit leave the loss; their rewards still count in their group's
+    /// advantages.
+    pub apply_overlong_filtering: bool,
 }
 
 impl Default for GeneratorConfig {
@@ -329,6 +333,7 @@ impl Default for GeneratorConfig {
             },
             eval_n_samples_per_prompt: 1,
             async_scoring: true,
+            apply_overlong_filtering: false,
         }
     }
 }
@@ -954,6 +959,7 @@ impl Config {
         if a.max_seq_len == Some(0) {
             problems.push("trainer.algorithm.max_seq_len is 0; it must be at least 1".into());
         }
+        self.check_dapo(problems);
         // The rl crate's own rules (clip ranges, off-policy bounds, …); it stops at the first
         // broken one, so it runs only when the rules above, which it repeats, all hold.
         if problems.len() == before {
@@ -963,6 +969,46 @@ impl Config {
                 };
                 problems.push(format!("trainer.algorithm: {message}"));
             }
+        }
+    }
+
+    /// DAPO's dynamic sampling and overlong buffer (the rl crate repeats the first two).
+    fn check_dapo(&self, problems: &mut Vec<String>) {
+        let a = &self.trainer.algorithm;
+        let dynamic = &a.dynamic_sampling;
+        if dynamic.kind.is_some() {
+            if dynamic.max_sample_batches == 0 {
+                problems.push(
+                    "trainer.algorithm.dynamic_sampling.max_sample_batches is 0; it is the most \
+                     batches of prompts a step samples (the first included), so at least 1"
+                        .into(),
+                );
+            }
+            if self.generator.n_samples_per_prompt == 1 {
+                problems.push(
+                    "trainer.algorithm.dynamic_sampling.type is set with \
+                     generator.n_samples_per_prompt = 1: a group of one sample never has \
+                     differing rewards, so every group would be dropped; use at least 2 samples"
+                        .into(),
+                );
+            }
+        }
+        let buffer = &a.overlong_buffer;
+        let max_generate = self.generator.sampling_params.max_generate_length;
+        if buffer.len > max_generate {
+            problems.push(format!(
+                "trainer.algorithm.overlong_buffer.len ({}) is longer than \
+                 generator.sampling_params.max_generate_length ({max_generate}); the penalty \
+                 grows over the last len tokens before that limit, so pick at most {max_generate}",
+                buffer.len
+            ));
+        }
+        if !(buffer.penalty_factor.is_finite() && buffer.penalty_factor >= 0.0) {
+            problems.push(format!(
+                "trainer.algorithm.overlong_buffer.penalty_factor is {}; it must be a finite \
+                 number >= 0 (the reward lost at the length limit)",
+                buffer.penalty_factor
+            ));
         }
     }
 

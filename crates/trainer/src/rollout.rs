@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use floe_backend::sampling::{mix64, GAMMA};
-use floe_engine::{Generation, SampleRequest, SamplingParams as EngineSamplingParams};
+use floe_engine::{Generation, SampleRequest, SamplingParams as EngineSamplingParams, StopReason};
 use floe_env::env::{Env, EnvError, Message, Registry, StepOutput};
 use floe_env::scoring::Scorer;
 use floe_model::chat_template::ChatTemplate;
@@ -104,6 +104,9 @@ pub struct Trajectory {
     pub env_class: String,
     /// Model turns taken.
     pub turns: usize,
+    /// Whether the last model turn stopped at its token limit rather than at a stop token
+    /// or string (what DAPO's overlong filtering drops).
+    pub truncated: bool,
 }
 
 /// Seconds spent generating and then waiting on scoring that had not overlapped.
@@ -296,6 +299,7 @@ impl Rollouts {
                 env_metrics: BTreeMap::new(),
                 env_class,
                 turns: 0,
+                truncated: false,
             },
             turn_metrics: Vec::new(),
             done: false,
@@ -391,6 +395,7 @@ fn append_generation(
         Some(text) => text.clone(),
         None => tokenizer.decode(&generation.tokens, true)?,
     };
+    t.truncated = generation.stop_reason == StopReason::Length;
     t.text.push_str(&text);
     t.response.extend_from_slice(&generation.tokens);
     t.loss_mask.extend(std::iter::repeat_n(1.0, n));

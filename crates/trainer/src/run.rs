@@ -87,6 +87,12 @@ pub fn max_input_length(config: &Config) -> usize {
 /// Runs `floe train` for a validated config: the local engine on `engine.device`, or a
 /// `floe serve` engine at `engine.remote`.
 pub fn train(config: &Config) -> Result<RunOutcome> {
+    train_with_registry(config, registry(config))
+}
+
+/// [`train`] with the environments of `registry` instead of the built-ins (a test's
+/// scripted rewards, a caller's own environments).
+pub fn train_with_registry(config: &Config, registry: Registry) -> Result<RunOutcome> {
     let started = Instant::now();
     config.validate()?;
     let run_dir = config.trainer.run_dir.clone();
@@ -109,6 +115,7 @@ pub fn train(config: &Config) -> Result<RunOutcome> {
             val_rows,
             resume_from,
             started,
+            registry,
         };
         return run_loop(&mut engine, config, inputs);
     }
@@ -135,6 +142,7 @@ pub fn train(config: &Config) -> Result<RunOutcome> {
         val_rows,
         resume_from,
         started,
+        registry,
     };
     run_loop(&mut engine, config, inputs)
 }
@@ -153,6 +161,8 @@ pub struct RunInputs {
     pub resume_from: Option<PathBuf>,
     /// When the run started (for the wall time).
     pub started: Instant,
+    /// The environments rollouts are scored by ([`registry`] for the built-ins).
+    pub registry: Registry,
 }
 
 /// The loop over any [`Engine`]: the run's start (restored, or fresh: SFT and the eval
@@ -172,7 +182,7 @@ pub fn run_loop<E: Engine>(
         inputs.val_rows,
     )?;
     let total_steps = prompts.total_steps(&config.trainer)?;
-    let rollouts = rollouts_for(config, inputs.template, &tokenizer)?;
+    let rollouts = rollouts_with(config, inputs.template, &tokenizer, inputs.registry)?;
     let resume_from = inputs.resume_from.as_deref();
     let mut run = Run::start(
         engine,
@@ -209,10 +219,20 @@ pub(crate) fn rollouts_for(
     template: ChatTemplate,
     tokenizer: &Arc<Tokenizer>,
 ) -> Result<Rollouts> {
+    rollouts_with(config, template, tokenizer, registry(config))
+}
+
+/// [`rollouts_for`] over the environments of `registry`.
+fn rollouts_with(
+    config: &Config,
+    template: ChatTemplate,
+    tokenizer: &Arc<Tokenizer>,
+    registry: Registry,
+) -> Result<Rollouts> {
     Rollouts::new(
         template,
         Arc::clone(tokenizer),
-        registry(config),
+        registry,
         config
             .environment
             .env_class

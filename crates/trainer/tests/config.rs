@@ -309,6 +309,72 @@ fn kl_placements_are_exclusive() {
 }
 
 #[test]
+fn dapo_options_are_off_by_default_and_their_errors_name_the_key() {
+    let config = Config::load(None, &[]).unwrap();
+    let a = &config.trainer.algorithm;
+    assert!(a.dynamic_sampling.kind.is_none());
+    assert_eq!(a.overlong_buffer.len, 0);
+    assert!(!config.generator.apply_overlong_filtering);
+
+    let config = Config::load(
+        None,
+        &overrides(&[
+            "trainer.algorithm.dynamic_sampling.type=\"filter\"",
+            "trainer.algorithm.dynamic_sampling.max_sample_batches=10",
+            "trainer.algorithm.overlong_buffer.len=64",
+            "trainer.algorithm.overlong_buffer.penalty_factor=1",
+            "generator.apply_overlong_filtering=true",
+        ]),
+    )
+    .unwrap();
+    config.validate().unwrap();
+    assert_eq!(
+        config.trainer.algorithm.dynamic_sampling.max_sample_batches,
+        10
+    );
+
+    let problems = invalid_messages(&[
+        "trainer.algorithm.dynamic_sampling.type=\"filter\"",
+        "trainer.algorithm.dynamic_sampling.max_sample_batches=0",
+        "generator.n_samples_per_prompt=1",
+        "trainer.algorithm.advantage_estimator=\"rloo\"",
+        "generator.sampling_params.max_generate_length=100",
+        "trainer.algorithm.overlong_buffer.len=128",
+        "trainer.algorithm.overlong_buffer.penalty_factor=-1",
+    ]);
+    let has = |needle: &str| problems.iter().any(|p| p.contains(needle));
+    assert!(
+        has("trainer.algorithm.dynamic_sampling.max_sample_batches is 0"),
+        "{problems:?}"
+    );
+    assert!(
+        has("trainer.algorithm.dynamic_sampling.type is set with generator.n_samples_per_prompt = 1"),
+        "{problems:?}"
+    );
+    assert!(
+        has("trainer.algorithm.overlong_buffer.len (128) is longer than generator.sampling_params.max_generate_length (100)"),
+        "{problems:?}"
+    );
+    assert!(
+        has("trainer.algorithm.overlong_buffer.penalty_factor is -1"),
+        "{problems:?}"
+    );
+    assert_eq!(problems.len(), 4, "{problems:?}");
+
+    let message = Config::load(
+        None,
+        &overrides(&["trainer.algorithm.dynamic_sampling.type=\"replace\""]),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        message.contains("'trainer.algorithm.dynamic_sampling.type'"),
+        "{message}"
+    );
+    assert!(message.contains("filter"), "{message}");
+}
+
+#[test]
 fn seq_mean_token_sum_norm_needs_max_seq_len() {
     let problems = invalid_messages(&["trainer.algorithm.loss_reduction=seq_mean_token_sum_norm"]);
     assert_eq!(problems.len(), 1, "{problems:?}");

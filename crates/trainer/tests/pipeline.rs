@@ -76,6 +76,18 @@ fn embedded_pipeline_writes_metrics_tensorboard_report_and_checkpoints() {
             assert!(has(step, name), "step {step} lacks {name}");
         }
     }
+    // DAPO's options are off by default and add no metrics.
+    for record in &records {
+        assert!(
+            !record
+                .metrics
+                .keys()
+                .any(|k| k.starts_with("dynamic_sampling/") || k.starts_with("overlong/")),
+            "step {}: {:?}",
+            record.step,
+            record.metrics.keys()
+        );
+    }
     // The sampler and the trainer score the same tokens under the same weights.
     for record in &records {
         if let Some(diff) = record

@@ -12,6 +12,7 @@ use floe_engine::{
 use floe_env::env::aggregate_metrics_by_env;
 use floe_model::tokenizer::Tokenizer;
 use floe_rl::advantage::zero_variance_sequences;
+use floe_rl::dapo::{group_signal, overlong_penalty};
 use floe_rl::kl::{apply_kl_in_reward, KlController};
 use floe_rl::metrics::{names, response_length_metrics, reward_metrics};
 use floe_rl::optim::{lr_at, num_optimizer_steps, LrScheduleKind};
@@ -21,7 +22,7 @@ use super::Run;
 use crate::config::{Config, Scheduler};
 use crate::data::{next_batch, Prompt};
 use crate::error::{Error, Result};
-use crate::rollout::{derive_seed, engine_sampling_params, Trajectory};
+use crate::rollout::{derive_seed, engine_sampling_params, RolloutTiming, Trajectory};
 
 /// Stream of training sampling seeds.
 const TRAIN_SEED_STREAM: u64 = 0x7A1;
@@ -115,64 +116,65 @@ impl<E: Engine> Run<'_, E> {
     /// sets its step.
     pub(super) fn rl_step(&mut self, step: u64) -> Result<BTreeMap<String, f64>> {
         let step_start = Instant::now();
-        let (config, prompts) = (self.config, self.prompts);
-        let t = &config.trainer;
-        let n = config.generator.n_samples_per_prompt;
-        let batch_idx = next_batch(
-            &mut self.state.data_cursor,
-            t.train_batch_size,
-            config.data.shuffle,
-        );
-        let batch: Vec<&Prompt> = batch_idx.iter().map(|&i| prompts.rl_prompt(i)).collect();
+        let t = &self.config.trainer;
 
-        // 1. Rollouts, scored as they finish.
-        let (trajs, rollout_timing) = self.rollouts.run(
-            self.engine,
-            &batch,
-            n,
-            &self.step_settings.sampling,
-            derive_seed(&[t.seed, TRAIN_SEED_STREAM, step]),
-        )?;
+        // 1. Rollouts, scored as they finish, shaped for length, and (dynamic sampling)
+        //    filtered for groups with a learning signal.
+        let SampledBatch {
+            trajs,
+            num_prompts,
+            timing: rollout_timing,
+            mut metrics,
+        } = self.sample_batch(step)?;
         let sequences = Sequences::of(&trajs);
-        let mut metrics = rollout_metrics(&trajs, &sequences, n);
 
-        // 2. Old (and reference) log-probs of the sampled responses under the current weights.
-        let start = Instant::now();
-        let groups_g = sequence_groups(&trajs, batch.len())?;
-        let (old_g, ref_g) = self.response_logprobs(&groups_g)?;
-        metrics.insert("timing/fwd_logprobs".into(), start.elapsed().as_secs_f64());
-        // Trajectories are ordered (prompt, sample), the same order as the flattened groups.
-        let old_logprobs_t = flat_logprobs(&old_g);
-        metrics.extend(rollout_train_logprob_diff(&trajs, &old_logprobs_t));
-        let ref_logprobs_t = ref_g.as_deref().map(flat_logprobs);
+        if num_prompts > 0 {
+            // 2. Old (and reference) log-probs of the sampled responses under the current
+            //    weights.
+            let start = Instant::now();
+            let groups_g = sequence_groups(&trajs, num_prompts)?;
+            let (old_g, ref_g) = self.response_logprobs(&groups_g)?;
+            metrics.insert("timing/fwd_logprobs".into(), start.elapsed().as_secs_f64());
+            // Trajectories are ordered (prompt, sample), the same order as the flattened
+            // groups.
+            let old_logprobs_t = flat_logprobs(&old_g);
+            metrics.extend(rollout_train_logprob_diff(&trajs, &old_logprobs_t));
+            let ref_logprobs_t = ref_g.as_deref().map(flat_logprobs);
 
-        // 3. Rewards (optionally KL-penalised) → advantages.
-        let advantages = advantages(
-            &t.algorithm,
-            &mut self.step_settings.kl,
-            &trajs,
-            &sequences,
-            &old_logprobs_t,
-            ref_logprobs_t.as_deref(),
-        );
-        metrics.extend(advantages.metrics);
+            // 3. Rewards (optionally KL-penalised) → advantages.
+            let advantages = advantages(
+                &t.algorithm,
+                &mut self.step_settings.kl,
+                &trajs,
+                &sequences,
+                &old_logprobs_t,
+                ref_logprobs_t.as_deref(),
+            );
+            metrics.extend(advantages.metrics);
 
-        // 4. Policy update: mini-batches of prompts × PPO epochs, one optimiser step each.
-        let start = Instant::now();
-        let train_g = train_groups(
-            &trajs,
-            &groups_g,
-            &TokenInputs {
-                loss_mask: &advantages.loss_mask_t,
-                advantages: &advantages.advantages_t,
-                old_logprobs: &old_logprobs_t,
-                ref_logprobs: ref_logprobs_t
-                    .as_deref()
-                    .filter(|_| t.algorithm.use_kl_loss),
-            },
-        );
-        metrics.extend(self.update_policy(&train_g)?);
-        metrics.insert("timing/train".into(), start.elapsed().as_secs_f64());
+            // 4. Policy update: mini-batches of prompts × PPO epochs, one optimiser step each.
+            let start = Instant::now();
+            let train_g = train_groups(
+                &trajs,
+                &groups_g,
+                &TokenInputs {
+                    loss_mask: &advantages.loss_mask_t,
+                    advantages: &advantages.advantages_t,
+                    old_logprobs: &old_logprobs_t,
+                    ref_logprobs: ref_logprobs_t
+                        .as_deref()
+                        .filter(|_| t.algorithm.use_kl_loss),
+                },
+            );
+            metrics.extend(self.update_policy(&train_g)?);
+            metrics.insert("timing/train".into(), start.elapsed().as_secs_f64());
+        } else {
+            tracing::warn!(
+                "step {step}: every group of {} sampled batches had equal rewards; no update \
+                 (trainer.algorithm.dynamic_sampling.max_sample_batches caps the batches)",
+                t.algorithm.dynamic_sampling.max_sample_batches
+            );
+        }
 
         // 5. The sampler uses the new weights from the next rollout on.
         let start = Instant::now();
@@ -187,6 +189,123 @@ impl<E: Engine> Run<'_, E> {
         self.state.global_step = step;
         self.state.kl_coef = self.step_settings.kl.coef;
         Ok(metrics)
+    }
+
+    /// The trajectories step `step` trains on: the data cursor's next batch of prompts,
+    /// sampled and scored, with DAPO's overlong shaping when configured. With dynamic
+    /// sampling, groups whose rewards are all equal are dropped and further batches are
+    /// sampled (each from the cursor, with its own seed) until `trainer.train_batch_size`
+    /// groups are kept or `max_sample_batches` batches were sampled; the rollout metrics
+    /// then cover every sampled trajectory, the training every kept one.
+    fn sample_batch(&mut self, step: u64) -> Result<SampledBatch> {
+        let (config, prompts) = (self.config, self.prompts);
+        let t = &config.trainer;
+        let n = config.generator.n_samples_per_prompt;
+        let dynamic = &t.algorithm.dynamic_sampling;
+        let filter = dynamic.kind.is_some();
+        let max_batches = if filter {
+            dynamic.max_sample_batches.max(1)
+        } else {
+            1
+        };
+        let mut timing = RolloutTiming::default();
+        let mut overlong = OverlongStats::default();
+        // Kept trajectories, their prompts renumbered in the order kept.
+        let mut kept: Vec<Trajectory> = Vec::new();
+        let mut kept_groups = 0usize;
+        // Every sampled trajectory, its prompt numbered across the step's batches.
+        let mut sampled: Vec<Trajectory> = Vec::new();
+        let mut sampled_groups = 0usize;
+        let mut batches = 0usize;
+        while batches < max_batches && (batches == 0 || kept_groups < t.train_batch_size) {
+            let batch_idx = next_batch(
+                &mut self.state.data_cursor,
+                t.train_batch_size,
+                config.data.shuffle,
+            );
+            let batch: Vec<&Prompt> = batch_idx.iter().map(|&i| prompts.rl_prompt(i)).collect();
+            // The first batch keeps the seed a step had before dynamic sampling.
+            let seed = match batches {
+                0 => derive_seed(&[t.seed, TRAIN_SEED_STREAM, step]),
+                b => derive_seed(&[t.seed, TRAIN_SEED_STREAM, step, b as u64]),
+            };
+            let (mut trajs, batch_timing) =
+                self.rollouts
+                    .run(self.engine, &batch, n, &self.step_settings.sampling, seed)?;
+            timing.generate += batch_timing.generate;
+            timing.score += batch_timing.score;
+            batches += 1;
+            overlong.shape(&mut trajs, config);
+            if !filter {
+                kept = trajs;
+                kept_groups = batch.len();
+                break;
+            }
+            let scores_s: Vec<f64> = trajs.iter().map(|tr| tr.reward).collect();
+            let group_ids_s: Vec<u64> = trajs.iter().map(|tr| tr.prompt as u64).collect();
+            let mut new_index: Vec<Option<usize>> = vec![None; batch.len()];
+            for (group, has_signal) in group_signal(&scores_s, &group_ids_s) {
+                if has_signal && kept_groups < t.train_batch_size {
+                    new_index[group as usize] = Some(kept_groups);
+                    kept_groups += 1;
+                }
+            }
+            for mut tr in trajs {
+                if let Some(index) = new_index[tr.prompt] {
+                    kept.push(Trajectory {
+                        prompt: index,
+                        ..tr.clone()
+                    });
+                }
+                tr.prompt += sampled_groups;
+                sampled.push(tr);
+            }
+            sampled_groups += batch.len();
+        }
+        // Trained groups in the order kept, samples in order.
+        kept.sort_by_key(|tr| (tr.prompt, tr.sample));
+
+        let mut metrics = if filter {
+            let sequences = Sequences::of(&sampled);
+            let mut metrics = rollout_metrics(&sampled, &sequences, n);
+            let filtered = sampled_groups
+                - group_signal(&sequences.scores_s, &sequences.group_ids_s)
+                    .iter()
+                    .filter(|(_, signal)| *signal)
+                    .count();
+            metrics.extend([
+                (
+                    names::DYNAMIC_SAMPLING_NUM_GEN_BATCHES.to_string(),
+                    batches as f64,
+                ),
+                (
+                    names::DYNAMIC_SAMPLING_NUM_SAMPLED_GROUPS.to_string(),
+                    sampled_groups as f64,
+                ),
+                (
+                    names::DYNAMIC_SAMPLING_NUM_FILTERED_GROUPS.to_string(),
+                    filtered as f64,
+                ),
+                (
+                    names::DYNAMIC_SAMPLING_FILTERED_GROUPS_FRAC.to_string(),
+                    filtered as f64 / sampled_groups.max(1) as f64,
+                ),
+                (
+                    names::DYNAMIC_SAMPLING_NUM_TRAINED_GROUPS.to_string(),
+                    kept_groups as f64,
+                ),
+            ]);
+            metrics
+        } else {
+            rollout_metrics(&kept, &Sequences::of(&kept), n)
+        };
+        metrics.extend(overlong.metrics(config));
+        Ok(SampledBatch {
+            trajs: kept,
+            num_prompts: kept_groups,
+            timing,
+            metrics,
+        })
     }
 
     /// The log-probs of every response under the policy and, when the algorithm needs
@@ -260,6 +379,99 @@ impl<E: Engine> Run<'_, E> {
             }
         }
         Ok(mean_per_key(&update_metrics))
+    }
+}
+
+/// What [`Run::sample_batch`] gives the rest of the step.
+struct SampledBatch {
+    /// The trajectories to train on, ordered (prompt, sample), prompts numbered from 0.
+    trajs: Vec<Trajectory>,
+    /// Prompts (groups) among `trajs`.
+    num_prompts: usize,
+    /// Generation and scoring time over every sampled batch.
+    timing: RolloutTiming,
+    /// Rollout, dynamic-sampling and overlong metrics.
+    metrics: BTreeMap<String, f64>,
+}
+
+/// DAPO's overlong shaping of sampled trajectories, and its counts over a step.
+#[derive(Default)]
+struct OverlongStats {
+    /// Trajectories shaped.
+    count: usize,
+    /// Those whose last turn stopped at the token limit.
+    truncated: usize,
+    /// Those masked out of the loss for it.
+    filtered: usize,
+    /// Those given a penalty.
+    penalized: usize,
+    /// Sum of the penalties.
+    penalty_sum: f64,
+}
+
+impl OverlongStats {
+    /// Shapes a batch's trajectories in place before their groups are judged: the soft
+    /// overlong penalty (`trainer.algorithm.overlong_buffer`) on the reward and on the last
+    /// generated token's reward, over the trajectory's generated tokens against
+    /// `generator.sampling_params.max_generate_length`; then, with
+    /// `generator.apply_overlong_filtering`, a zero loss mask for truncated trajectories.
+    fn shape(&mut self, trajs: &mut [Trajectory], config: &Config) {
+        let buffer = &config.trainer.algorithm.overlong_buffer;
+        let max_len = config.generator.sampling_params.max_generate_length;
+        for tr in trajs {
+            self.count += 1;
+            self.truncated += usize::from(tr.truncated);
+            if buffer.len > 0 {
+                let generated = tr.loss_mask.iter().filter(|&&m| m > 0.0).count();
+                let penalty =
+                    overlong_penalty(generated, max_len, buffer.len, buffer.penalty_factor);
+                if penalty != 0.0 {
+                    tr.reward += penalty;
+                    let last = tr.loss_mask.iter().rposition(|&m| m > 0.0);
+                    if let Some(reward) = last.and_then(|i| tr.token_rewards.get_mut(i)) {
+                        *reward += penalty;
+                    }
+                    self.penalized += 1;
+                    self.penalty_sum += penalty;
+                }
+            }
+            if config.generator.apply_overlong_filtering && tr.truncated {
+                tr.loss_mask.fill(0.0);
+                self.filtered += 1;
+            }
+        }
+    }
+
+    /// `overlong/*`, only when some overlong shaping is configured.
+    fn metrics(&self, config: &Config) -> BTreeMap<String, f64> {
+        let filtering = config.generator.apply_overlong_filtering;
+        let buffer = config.trainer.algorithm.overlong_buffer.len > 0;
+        let mut metrics = BTreeMap::new();
+        if !(filtering || buffer) {
+            return metrics;
+        }
+        let count = self.count.max(1) as f64;
+        metrics.insert(
+            names::OVERLONG_TRUNCATED_FRAC.to_string(),
+            self.truncated as f64 / count,
+        );
+        if filtering {
+            metrics.insert(
+                names::OVERLONG_NUM_FILTERED.to_string(),
+                self.filtered as f64,
+            );
+        }
+        if buffer {
+            metrics.insert(
+                names::OVERLONG_PENALTY_MEAN.to_string(),
+                self.penalty_sum / count,
+            );
+            metrics.insert(
+                names::OVERLONG_PENALIZED_FRAC.to_string(),
+                self.penalized as f64 / count,
+            );
+        }
+        metrics
     }
 }
 
