@@ -21,7 +21,9 @@ pub enum Command {
     /// Score text-to-SQL responses with the Arctic/BIRD reward (1.0 / 0.1 / 0.0).
     ///
     /// Input rows: {"id", "response", "gold_sql", "db_path", "alternative_answers"?}; a
-    /// relative db_path is resolved against the input file's folder. Output rows:
+    /// relative db_path is resolved against the input file's folder. A missing, null or
+    /// empty gold_sql scores 0.0 (no format bonus), as the reference does; a missing or
+    /// empty db_path scores 0.0 with format_correct false. Output rows:
     /// {"id", "score", "format_correct", "execution_success"}.
     Text2sql(Text2SqlArgs),
     /// Score GSM8K responses (strict "#### <number>", exact match).
@@ -45,6 +47,10 @@ pub struct Text2SqlArgs {
     /// Scoring threads (0: one per core).
     #[arg(long, default_value_t = 0)]
     threads: usize,
+    /// Refuse statements that change only the connection (ATTACH ':memory:', connection
+    /// pragmas, TEMP tables), which the reference runs; they then score as failures.
+    #[arg(long)]
+    strict_read_only: bool,
 }
 
 /// Flags of `floe reward gsm8k`.
@@ -88,12 +94,19 @@ impl Text2SqlRow {
         };
         let db_path = match row.get("db_path") {
             None | Some(Value::Null) => None,
-            Some(v) => Some(PathBuf::from(v.as_str().ok_or("db_path must be a string")?)),
+            Some(v) => Some(v.as_str().ok_or("db_path must be a string")?)
+                .filter(|path| !path.is_empty())
+                .map(PathBuf::from),
+        };
+        // The reference's `ground_truth=None`: the row is scored (0.0), not rejected.
+        let gold_sql = match row.get("gold_sql") {
+            None | Some(Value::Null) => String::new(),
+            Some(_) => required_string(row, "gold_sql")?,
         };
         Ok(Self {
             id: row.get("id").cloned().ok_or("missing key \"id\"")?,
             response: required_string(row, "response")?,
-            gold_sql: required_string(row, "gold_sql")?,
+            gold_sql,
             db_path,
             alternative_answers,
         })
@@ -125,6 +138,7 @@ fn text2sql(args: Text2SqlArgs) -> Result<()> {
     let timeout = Duration::from_secs_f64(args.timeout_s);
     let sandbox = Arc::new(Sandbox::new(SandboxConfig {
         timeout,
+        strict_read_only: args.strict_read_only,
         ..SandboxConfig::default()
     }));
     let reward = Text2SqlReward::new(sandbox, timeout);
