@@ -191,9 +191,10 @@ pub async fn retrieve_futures(
     }
     let long_poll = app.config.long_poll;
     let wait = match request.timeout {
-        Some(secs) if secs.is_finite() && secs >= 0.0 => {
-            Duration::from_secs_f64(secs).min(long_poll)
-        }
+        // Beyond what a Duration holds is as good as forever, capped by the long poll.
+        Some(secs) if secs.is_finite() && secs >= 0.0 => Duration::try_from_secs_f64(secs)
+            .unwrap_or(Duration::MAX)
+            .min(long_poll),
         Some(secs) => {
             return Err(ApiError::bad_request(format!(
                 "retrieve_futures: timeout {secs} is not a number of seconds"
