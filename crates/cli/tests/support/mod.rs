@@ -35,6 +35,11 @@ impl Server {
             .and_then(|l| l.local_addr())
             .expect("a free loopback port")
             .port();
+        Self::start_at(port, data_dir, api_keys, flags)
+    }
+
+    /// [`Server::start_with`] on `port` (a restart at the address clients know).
+    pub fn start_at(port: u16, data_dir: &Path, api_keys: Option<&str>, flags: &[&str]) -> Server {
         let child = Command::new(env!("CARGO_BIN_EXE_floe"))
             .args([
                 "serve",
@@ -69,6 +74,19 @@ impl Server {
             std::thread::sleep(Duration::from_millis(100));
         }
         server
+    }
+}
+
+impl Server {
+    /// Kills the process with SIGKILL (no shutdown of any kind) and reaps it.
+    pub fn kill(&mut self) {
+        self.child.kill().expect("killing floe serve");
+        self.child.wait().expect("reaping floe serve");
+    }
+
+    /// The port it listens on.
+    pub fn port(&self) -> u16 {
+        self.url.rsplit(':').next().unwrap().parse().unwrap()
     }
 }
 
