@@ -6,7 +6,8 @@
 //! latency percentiles per verb are printed.
 //!
 //! `FLOE_LOAD_SECS` sets the time (20 s by default):
-//! `FLOE_LOAD_SECS=300 cargo test --release -p floe-server --test load -- --nocapture`.
+//! `FLOE_LOAD_SECS=300 cargo test -p floe-server --test load -- --nocapture` (the test
+//! profile is optimised).
 
 mod common;
 
