@@ -60,7 +60,11 @@
 //!     prompt: request.prompt,
 //!     responses: generations
 //!         .iter()
-//!         .map(|g| Response { tokens: g.tokens.clone(), weights: vec![1.0; g.tokens.len()] })
+//!         .map(|g| Response {
+//!             tokens: g.tokens.clone(),
+//!             targets: None,
+//!             weights: vec![1.0; g.tokens.len()],
+//!         })
 //!         .collect(),
 //! };
 //! let packing = PackingConfig { max_tokens_per_microbatch: 4096, mode: PackingMode::Shared };

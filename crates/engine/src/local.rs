@@ -593,6 +593,18 @@ impl<B: Backend> Engine for LocalEngine<B> {
             for (r, response) in group.responses.iter().enumerate() {
                 self.check_tokens(&format!("group {g} response {r}"), response)?;
             }
+            if let Some(targets) = &group.targets {
+                if targets.len() != group.responses.len() {
+                    return Err(Error::InvalidRequest(format!(
+                        "group {g}: {} target lists for {} responses",
+                        targets.len(),
+                        group.responses.len()
+                    )));
+                }
+                for (r, targets) in targets.iter().enumerate() {
+                    self.check_tokens(&format!("group {g} response {r} targets"), targets)?;
+                }
+            }
         }
         let model = match weights {
             Weights::Policy => self.policy.model(),
@@ -605,8 +617,10 @@ impl<B: Backend> Engine for LocalEngine<B> {
                 responses: group
                     .responses
                     .iter()
-                    .map(|tokens| Response {
+                    .enumerate()
+                    .map(|(r, tokens)| Response {
                         tokens: tokens.clone(),
+                        targets: group.targets.as_ref().map(|t| t[r].clone()),
                         weights: vec![1.0; tokens.len()],
                     })
                     .collect(),
@@ -647,6 +661,9 @@ impl<B: Backend> Engine for LocalEngine<B> {
             self.check_tokens(&format!("group {g} prompt"), &group.prompt)?;
             for (r, response) in group.responses.iter().enumerate() {
                 self.check_tokens(&format!("group {g} response {r}"), &response.tokens)?;
+                if let Some(targets) = &response.targets {
+                    self.check_tokens(&format!("group {g} response {r} targets"), targets)?;
+                }
             }
         }
         let out = match loss {
@@ -1024,6 +1041,7 @@ fn rollout_groups(groups: &[TrainGroup]) -> Vec<RolloutGroup> {
                 .iter()
                 .map(|response| Response {
                     tokens: response.tokens.clone(),
+                    targets: response.targets.clone(),
                     weights: vec![1.0; response.tokens.len()],
                 })
                 .collect(),

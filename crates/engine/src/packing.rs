@@ -58,6 +58,10 @@ pub enum PackingMode {
 pub struct Response {
     /// The generated tokens.
     pub tokens: Vec<u32>,
+    /// What each position scores when that is not the response itself: position `i`,
+    /// having read `tokens[..i]`, scores `targets[i]` (Tinker datums whose
+    /// `target_tokens` are not their input shifted by one); `tokens.len()` values.
+    pub targets: Option<Vec<u32>>,
     /// Per-token loss weight (mask times any weighting), `tokens.len()` values; carried
     /// to [`MicroBatch::weights`].
     pub weights: Vec<f32>,
@@ -174,6 +178,18 @@ pub enum PackingError {
         /// Weights given.
         weights: usize,
     },
+    /// A response's scored targets do not match its tokens.
+    #[error("group {group} response {response}: {targets} targets for {tokens} tokens")]
+    TargetsLength {
+        /// Group index.
+        group: usize,
+        /// Response index.
+        response: usize,
+        /// Tokens of the response.
+        tokens: usize,
+        /// Targets given.
+        targets: usize,
+    },
     /// A response with its prompt exceeds the micro-batch budget on its own.
     #[error(
         "group {group} response {response}: prompt and response need {tokens} tokens, more \
@@ -217,6 +233,16 @@ pub fn pack_rollouts(
                     tokens: response.tokens.len(),
                     weights: response.weights.len(),
                 });
+            }
+            if let Some(targets) = &response.targets {
+                if targets.len() != response.tokens.len() {
+                    return Err(PackingError::TargetsLength {
+                        group: g,
+                        response: r,
+                        tokens: response.tokens.len(),
+                        targets: targets.len(),
+                    });
+                }
             }
             if response.tokens.is_empty() {
                 continue;
@@ -340,6 +366,9 @@ fn layout(groups: &[RolloutGroup], items: &[Item], mode: PackingMode) -> MicroBa
         micro.weights.resize(micro.batch.len(), 0.0);
         for ((&r, response), rows) in item.responses.iter().zip(&responses).zip(rows) {
             micro.weights[rows.clone()].copy_from_slice(&response.weights);
+            if let Some(targets) = &response.targets {
+                micro.batch.targets[rows.clone()].copy_from_slice(targets);
+            }
             micro.responses.push(ResponseRows {
                 group: item.group as u32,
                 response: r as u32,
@@ -358,6 +387,7 @@ mod tests {
 
     fn response(tokens: &[u32]) -> Response {
         Response {
+            targets: None,
             tokens: tokens.to_vec(),
             weights: tokens.iter().map(|&t| t as f32 / 10.0).collect(),
         }
@@ -368,6 +398,32 @@ mod tests {
             max_tokens_per_microbatch: budget,
             mode,
         }
+    }
+
+    #[test]
+    fn given_targets_replace_what_a_responses_rows_score() {
+        let mut scored = response(&[20, 21, 22]);
+        scored.targets = Some(vec![0, 0, 22]);
+        let groups = [RolloutGroup {
+            prompt: vec![1, 2, 3],
+            responses: vec![response(&[10, 11]), scored],
+        }];
+        for mode in [PackingMode::Shared, PackingMode::Unshared] {
+            let b = &pack_rollouts(&groups, config(100, mode)).unwrap()[0];
+            // The inputs are unchanged; only the second response's rows score otherwise.
+            let last = b.responses[1];
+            let rows = last.first_row as usize..(last.first_row + last.len) as usize;
+            assert_eq!(b.batch.targets[rows], [0, 0, 22], "{mode:?}");
+            assert!(b.batch.tokens.contains(&21), "{mode:?}");
+        }
+        let mut short = response(&[20, 21]);
+        short.targets = Some(vec![0]);
+        let bad = [RolloutGroup {
+            prompt: vec![1],
+            responses: vec![short],
+        }];
+        let err = pack_rollouts(&bad, config(100, PackingMode::Shared)).unwrap_err();
+        assert!(err.to_string().contains("1 targets for 2 tokens"), "{err}");
     }
 
     #[test]

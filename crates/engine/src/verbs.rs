@@ -36,6 +36,10 @@ pub struct SequenceGroup {
     pub prompt: Vec<u32>,
     /// Response token ids, each scored given the prompt.
     pub responses: Vec<Vec<u32>>,
+    /// Per response, what its positions score when that is not the response itself
+    /// (see [`TrainResponse::targets`]); absent for ordinary scoring.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub targets: Option<Vec<Vec<u32>>>,
 }
 
 /// Per-token outputs of the model for one response.
@@ -62,6 +66,12 @@ pub struct TrainResponse {
     pub rollout_logprobs: Option<Vec<f64>>,
     /// Log-probs of the frozen reference model, for a KL loss.
     pub ref_logprobs: Option<Vec<f64>>,
+    /// What each position scores when that is not the response itself: position `i`,
+    /// having read the prompt and `tokens[..i]`, scores `targets[i]` (Tinker datums whose
+    /// `target_tokens` are any tokens, not the input shifted by one). `None`: position
+    /// `i` scores `tokens[i]`, as sampled responses do.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub targets: Option<Vec<u32>>,
 }
 
 /// A prompt and the responses to train on.

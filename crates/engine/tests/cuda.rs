@@ -280,6 +280,7 @@ fn sft_step(engine: &mut floe_engine::AnyLocalEngine, tokens: usize) {
     let group = TrainGroup {
         prompt: vec![1, 2, 3],
         responses: vec![TrainResponse {
+            targets: None,
             tokens: response,
             loss_mask: vec![1.0; n],
             advantages: vec![0.0; n],

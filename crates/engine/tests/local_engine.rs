@@ -61,6 +61,7 @@ fn tokens(seed: u64, len: usize) -> Vec<u32> {
 fn sequence_groups() -> Vec<SequenceGroup> {
     (0..3u64)
         .map(|g| SequenceGroup {
+            targets: None,
             prompt: tokens(100 + g, 5 + 3 * g as usize),
             responses: (0..3u64)
                 .map(|r| tokens(10 * g + r, 1 + ((3 * g + 2 * r) % 9) as usize))
@@ -84,6 +85,7 @@ fn train_groups(groups: &[SequenceGroup], scored: &[Vec<TokenOutputs>]) -> Vec<T
                 .zip(outputs)
                 .enumerate()
                 .map(|(r, (tokens, out))| TrainResponse {
+                    targets: None,
                     tokens: tokens.clone(),
                     loss_mask: (0..tokens.len())
                         .map(|i| if (i + r) % 4 == 3 { 0.0 } else { 1.0 })
@@ -136,6 +138,7 @@ fn forward_logprobs_equal_the_samplers() {
         .iter()
         .enumerate()
         .map(|(id, prompt)| SequenceGroup {
+            targets: None,
             prompt: prompt.clone(),
             responses: generations
                 .iter()
@@ -297,6 +300,7 @@ fn saved_state_resumes_identically() {
 fn bad_requests_name_what_is_wrong() {
     let mut engine = engine(4096, 6);
     let groups = vec![SequenceGroup {
+        targets: None,
         prompt: vec![2, 3],
         responses: vec![vec![4, 500]],
     }];

@@ -59,6 +59,7 @@ fn train_group() -> TrainGroup {
     TrainGroup {
         prompt: vec![3, 5],
         responses: vec![TrainResponse {
+            targets: None,
             loss_mask: vec![1.0; tokens.len()],
             advantages: vec![0.0; tokens.len()],
             old_logprobs: vec![0.0; tokens.len()],
@@ -73,6 +74,7 @@ fn train_group() -> TrainGroup {
 fn scores(engine: &mut AnyLocalEngine) -> Vec<f64> {
     let group = train_group();
     let sequences = SequenceGroup {
+        targets: None,
         prompt: group.prompt,
         responses: vec![group.responses[0].tokens.clone()],
     };

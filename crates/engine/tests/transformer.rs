@@ -127,6 +127,7 @@ fn rollouts() -> Vec<RolloutGroup> {
                 .map(|r| {
                     let len = 1 + (g * 3 + r * 5) % 9;
                     Response {
+                        targets: None,
                         tokens: (0..len)
                             .map(|t| ((g * 11 + r * 17 + t * 3) % VOCAB) as u32)
                             .collect(),

@@ -3,9 +3,11 @@
 //!
 //! A datum's position `i` of the model input predicts `target_tokens[i]`. The engine
 //! scores responses given a prompt, so a datum becomes the one-token prompt
-//! `model_input[0]` and the response `target_tokens`; that is the same computation
-//! exactly when `target_tokens` is the model input shifted by one, which every SDK and
-//! cookbook path sends (anything else is rejected, naming the datum).
+//! `model_input[0]` and the response `model_input[1..]` plus the last target. When
+//! `target_tokens` is the model input shifted by one, as the SDK and cookbook send it,
+//! the response's own tokens are what it scores; otherwise (some clients fill masked
+//! prompt positions with 0, or score other tokens on purpose) the datum's targets go
+//! along as the positions' scored tokens, as the hosted service computes them.
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -21,18 +23,34 @@ use crate::proto;
 pub struct TinkerDatum {
     /// The model input's tokens.
     pub input: Vec<u32>,
-    /// `target_tokens`: the input shifted by one plus the next token.
+    /// `target_tokens`: what each input position scores (usually the input shifted by
+    /// one plus the next token).
     pub targets: Vec<u32>,
     /// Float loss inputs by name (`weights`, `logprobs`, `advantages`, ...).
     pub inputs: BTreeMap<String, Vec<f64>>,
 }
 
 impl TinkerDatum {
+    /// The tokens after the first input token, plus the last target (read by nothing):
+    /// the response whose positions follow the input.
+    fn response(&self) -> Vec<u32> {
+        let mut tokens = self.input[1..].to_vec();
+        tokens.extend(self.targets.last());
+        tokens
+    }
+
+    /// The targets, when they are not the response itself.
+    fn scored(&self, response: &[u32]) -> Option<Vec<u32>> {
+        (response != self.targets.as_slice()).then(|| self.targets.clone())
+    }
+
     /// The datum as one group of one response.
     pub fn sequence_group(&self) -> SequenceGroup {
+        let response = self.response();
         SequenceGroup {
+            targets: self.scored(&response).map(|t| vec![t]),
             prompt: vec![self.input[0]],
-            responses: vec![self.targets.clone()],
+            responses: vec![response],
         }
     }
 
@@ -47,10 +65,12 @@ impl TinkerDatum {
                 .cloned()
                 .unwrap_or_else(|| vec![default; n])
         };
+        let response = self.response();
         TrainGroup {
             prompt: vec![self.input[0]],
             responses: vec![TrainResponse {
-                tokens: self.targets.clone(),
+                targets: self.scored(&response),
+                tokens: response,
                 loss_mask: input("weights", 1.0),
                 advantages: input("advantages", 0.0),
                 old_logprobs: input("logprobs", 0.0),
@@ -142,15 +162,6 @@ fn decode_datum(datum: &proto::Datum, vocab_size: usize) -> Result<TinkerDatum, 
     }
     let targets = targets.ok_or("loss_fn_inputs has no target_tokens")?;
     check_tokens(&input, vocab_size, "model_input")?;
-    if let Some(i) = (1..n).find(|&i| targets[i - 1] != input[i]) {
-        return Err(format!(
-            "target_tokens[{}] is {} but model_input[{i}] is {}: floe serves targets that are \
-             the model input shifted by one",
-            i - 1,
-            targets[i - 1],
-            input[i]
-        ));
-    }
     Ok(TinkerDatum {
         input,
         targets,
@@ -370,11 +381,25 @@ mod tests {
     }
 
     #[test]
+    fn targets_that_are_not_the_shifted_input_are_scored_as_given() {
+        // Position 1 reads 5, 6 and scores 9 instead of the next input token 7.
+        let decoded = decode_datums(&[datum(&[5, 6, 7], &[6, 9, 8], &[1.0; 3])], 10)
+            .unwrap()
+            .remove(0);
+        let group = decoded.train_group();
+        assert_eq!(group.prompt, vec![5]);
+        assert_eq!(group.responses[0].tokens, vec![6, 7, 8]);
+        assert_eq!(group.responses[0].targets, Some(vec![6, 9, 8]));
+        let scoring = decoded.sequence_group();
+        assert_eq!(scoring.responses, vec![vec![6, 7, 8]]);
+        assert_eq!(scoring.targets, Some(vec![vec![6, 9, 8]]));
+        // The shifted input needs no override.
+        let shifted = decode_datums(&[datum(&[5, 6, 7], &[6, 7, 8], &[1.0; 3])], 10).unwrap();
+        assert_eq!(shifted[0].train_group().responses[0].targets, None);
+    }
+
+    #[test]
     fn malformed_datums_are_named() {
-        let unshifted = decode_datums(&[datum(&[5, 6, 7], &[6, 9, 8], &[1.0; 3])], 10);
-        assert!(unshifted
-            .unwrap_err()
-            .contains("datum 0: target_tokens[1] is 9"));
         let short = decode_datums(&[datum(&[5, 6, 7], &[6, 7], &[1.0; 3])], 10);
         assert!(short.unwrap_err().contains("has 2 values for 3"));
         let out_of_vocab = decode_datums(&[datum(&[5, 6, 7], &[6, 7, 12], &[1.0; 3])], 10);

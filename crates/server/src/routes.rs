@@ -891,6 +891,7 @@ fn sample_job(sample: SampleRequest, with_prompt_logprobs: bool, ticket: CancelT
         }
         let prompt_logprobs = if with_prompt_logprobs {
             let group = floe_engine::SequenceGroup {
+                targets: None,
                 prompt: vec![sample.prompt[0]],
                 responses: vec![sample.prompt[1..].to_vec()],
             };

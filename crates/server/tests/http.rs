@@ -277,14 +277,14 @@ fn invalid_requests_fail_in_turn_and_a_full_queue_answers_429() {
     config.max_queued_per_engine = 2;
     let addr = start(config);
     let (_, model_id) = create_model(addr);
-    // A datum whose targets are not the input shifted by one fails inside its future and
-    // still takes its seq_id, so the next request runs.
+    // A datum whose targets are outside the vocabulary fails inside its future and still
+    // takes its seq_id, so the next request runs.
     let mut bad =
         proto::ForwardBackwardRequest::decode(&fwdbwd_body(&model_id, 1, false)[..]).unwrap();
     bad.data[0].loss_fn_inputs.insert(
         "target_tokens".into(),
         tensor(
-            [9i64, 9, 9, 9]
+            [9i64, 9, 9, 100_000]
                 .iter()
                 .flat_map(|t| t.to_le_bytes())
                 .collect(),
@@ -299,10 +299,7 @@ fn invalid_requests_fail_in_turn_and_a_full_queue_answers_429() {
     let failure = failed.json();
     assert_eq!(failure["category"], "user");
     assert!(
-        failure["error"]
-            .as_str()
-            .unwrap()
-            .contains("shifted by one"),
+        failure["error"].as_str().unwrap().contains("vocabulary"),
         "{failure}"
     );
     let next = request_id(&post_proto(
@@ -321,4 +318,63 @@ fn invalid_requests_fail_in_turn_and_a_full_queue_answers_429() {
         .as_str()
         .unwrap()
         .contains("unfinished"));
+}
+
+#[test]
+fn any_target_tokens_are_scored_where_the_input_puts_them() {
+    // Some clients fill the targets of masked prompt positions with 0; the hosted service
+    // scores whatever target_tokens say. Positions whose target is the next input token
+    // must score as in the usual datum, and the others score their own target.
+    let dir = tempfile::tempdir().unwrap();
+    let addr = start(config(dir.path()));
+    let (_, model_id) = create_model(addr);
+    let usual = datum(&[11, 12, 13, 14, 15]);
+    let mut zero_filled = usual.clone();
+    zero_filled.loss_fn_inputs.insert(
+        "target_tokens".into(),
+        tensor(
+            [0i64, 0, 14, 15]
+                .iter()
+                .flat_map(|t| t.to_le_bytes())
+                .collect(),
+            proto::DTYPE_INT64,
+            4,
+        ),
+    );
+    let request = proto::ForwardBackwardRequest {
+        model_id: model_id.clone(),
+        seq_id: 1,
+        data: vec![usual, zero_filled],
+        loss_fn: "cross_entropy".into(),
+        forward_only: true,
+        ..Default::default()
+    };
+    let reply = retrieve(
+        addr,
+        &request_id(&post_proto(
+            addr,
+            "forward_backward",
+            &request.encode_to_vec(),
+        )),
+    );
+    let logprobs = logprobs_of(&reply);
+    assert_eq!(logprobs[1][2..], logprobs[0][2..]);
+    for (zero, usual) in logprobs[1][..2].iter().zip(&logprobs[0][..2]) {
+        assert_ne!(zero, usual);
+        assert!(zero.is_finite() && *zero <= 0.0);
+    }
+    // And it trains: the same datum through forward_backward.
+    let train = proto::ForwardBackwardRequest {
+        seq_id: 2,
+        forward_only: false,
+        ..request
+    };
+    loss_of(&retrieve(
+        addr,
+        &request_id(&post_proto(
+            addr,
+            "forward_backward",
+            &train.encode_to_vec(),
+        )),
+    ));
 }

@@ -176,6 +176,7 @@ pub fn shared_prefix_groups<'a>(examples: impl Iterator<Item = &'a SftExample>) 
                     let mut loss_mask = vec![0.0; own_prompt.len()];
                     loss_mask.resize(tokens.len(), 1.0);
                     TrainResponse {
+                        targets: None,
                         tokens,
                         loss_mask,
                         advantages: Vec::new(),

@@ -73,6 +73,7 @@ fn sft_groups_sharing_a_prompt_prefix_train_like_single_examples() {
         .map(|e| TrainGroup {
             prompt: e.prompt.clone(),
             responses: vec![TrainResponse {
+                targets: None,
                 tokens: e.answer.clone(),
                 loss_mask: vec![1.0; e.answer.len()],
                 advantages: Vec::new(),

@@ -633,6 +633,7 @@ fn sequence_groups(trajs: &[Trajectory], num_prompts: usize) -> Result<Vec<Seque
     let mut groups_g: Vec<Option<SequenceGroup>> = vec![None; num_prompts];
     for tr in trajs {
         let group = groups_g[tr.prompt].get_or_insert_with(|| SequenceGroup {
+            targets: None,
             prompt: tr.prompt_ids.clone(),
             responses: Vec::new(),
         });
@@ -680,6 +681,7 @@ fn train_groups(
                     let range = offset..offset + tokens.len();
                     offset = range.end;
                     TrainResponse {
+                        targets: None,
                         tokens: tokens.clone(),
                         loss_mask: inputs.loss_mask[range.clone()].to_vec(),
                         advantages: inputs.advantages[range.clone()].to_vec(),
