@@ -99,6 +99,9 @@ pub struct ModelConfig {
     pub eos_token_ids: Vec<u32>,
 }
 
+/// Most layers a `config.json` may declare (the largest open models have about 100).
+pub const MAX_LAYERS: usize = 1 << 16;
+
 /// Why a `config.json` could not be turned into a [`ModelConfig`].
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -372,7 +375,7 @@ impl ModelConfig {
             });
         }
 
-        Ok(ModelConfig {
+        let config = ModelConfig {
             architecture,
             vocab_size,
             hidden_size,
@@ -392,7 +395,63 @@ impl ModelConfig {
             qk_norm: architecture == Architecture::Qwen3,
             bos_token_id,
             eos_token_ids,
-        })
+        };
+        config.check_sizes(&keys)?;
+        Ok(config)
+    }
+
+    /// Rejects sizes whose tensors could not exist: more than [`MAX_LAYERS`] layers, or a
+    /// parameter count past `usize` (which would overflow, or loop for ages, in
+    /// [`crate::weights::tensor_specs`] and [`ModelConfig::num_parameters`]). The error
+    /// names the largest size key, the likely culprit.
+    fn check_sizes(&self, keys: &Keys<'_>) -> Result<()> {
+        if self.num_hidden_layers > MAX_LAYERS {
+            return Err(keys.bad(
+                "num_hidden_layers",
+                format!(
+                    "{} is more than {MAX_LAYERS} layers",
+                    self.num_hidden_layers
+                ),
+            ));
+        }
+        let per_layer = || -> Option<usize> {
+            let (h, inter) = (self.hidden_size, self.intermediate_size);
+            let q = self.num_attention_heads.checked_mul(self.head_dim)?;
+            let kv = self.num_key_value_heads.checked_mul(self.head_dim)?;
+            let attention = q.checked_add(kv)?.checked_mul(2)?.checked_mul(h)?;
+            let mlp = inter.checked_mul(h)?.checked_mul(3)?;
+            let small = h
+                .checked_mul(2)?
+                .checked_add(q)?
+                .checked_add(kv.checked_mul(2)?)?;
+            attention.checked_add(mlp)?.checked_add(small)
+        };
+        let total = per_layer()
+            .and_then(|layer| layer.checked_mul(self.num_hidden_layers))
+            .and_then(|layers| {
+                let embedding = self.vocab_size.checked_mul(self.hidden_size)?;
+                layers.checked_add(embedding.checked_mul(2)?)
+            })
+            .and_then(|n| n.checked_mul(4));
+        if total.is_none() {
+            let (key, value) = [
+                ("vocab_size", self.vocab_size),
+                ("hidden_size", self.hidden_size),
+                ("intermediate_size", self.intermediate_size),
+                ("num_attention_heads", self.num_attention_heads),
+                ("num_key_value_heads", self.num_key_value_heads),
+                ("head_dim", self.head_dim),
+                ("num_hidden_layers", self.num_hidden_layers),
+            ]
+            .into_iter()
+            .max_by_key(|&(_, value)| value)
+            .expect("a non-empty list");
+            return Err(keys.bad(
+                key,
+                format!("{value} makes the model's f32 parameters overflow the address space"),
+            ));
+        }
+        Ok(())
     }
 
     fn architecture_of(keys: &Keys<'_>) -> Result<Architecture> {

@@ -98,17 +98,19 @@ impl Tokenizer {
     /// `generation_config.json` and `chat_template.jinja` beside it when present.
     pub fn from_file(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
-        let inner =
-            tokenizers::Tokenizer::from_file(path).map_err(|e| match std::fs::metadata(path) {
-                Err(source) => TokenizerError::Io {
-                    path: path.to_path_buf(),
-                    source,
-                },
-                Ok(_) => TokenizerError::Load {
-                    path: path.to_path_buf(),
-                    msg: e.to_string(),
-                },
-            })?;
+        let text = std::fs::read_to_string(path).map_err(|source| TokenizerError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        let load_err = |msg: String| TokenizerError::Load {
+            path: path.to_path_buf(),
+            msg,
+        };
+        // `tokenizers` panics (`expect("Helper")`) on a JSON syntax error inside the
+        // `decoder` object, so the syntax is checked first.
+        serde_json::from_str::<serde::de::IgnoredAny>(&text)
+            .map_err(|e| load_err(format!("not valid JSON: {e}")))?;
+        let inner: tokenizers::Tokenizer = text.parse().map_err(|e| load_err(format!("{e}")))?;
         let mut this = Self::wrap(inner);
 
         let config_path = path.with_file_name("tokenizer_config.json");
