@@ -80,8 +80,8 @@ fn run_ok(command: Command, what: &str) {
 
 /// The uninterrupted local run every killed run is compared with, run once per test
 /// binary: its metrics and its mean step time.
-fn reference() -> &'static (Vec<MetricsLine>, Duration) {
-    static REFERENCE: OnceLock<(Vec<MetricsLine>, Duration)> = OnceLock::new();
+fn reference() -> &'static (Vec<MetricsLine>, Duration, String) {
+    static REFERENCE: OnceLock<(Vec<MetricsLine>, Duration, String)> = OnceLock::new();
     REFERENCE.get_or_init(|| {
         let dir = tempfile::tempdir().unwrap();
         let run_dir = dir.path().join("whole");
@@ -98,8 +98,25 @@ fn reference() -> &'static (Vec<MetricsLine>, Duration) {
         (
             metrics_without_timing(&run_dir),
             Duration::from_secs_f64(mean),
+            samples(&run_dir),
         )
     })
+}
+
+/// The run's `samples.jsonl` (the generations its report shows).
+fn samples(run_dir: &Path) -> String {
+    std::fs::read_to_string(run_dir.join("samples.jsonl")).unwrap_or_default()
+}
+
+/// Asserts the resumed run's metrics and report samples are the uninterrupted run's.
+fn assert_same_run(run_dir: &Path, what: &str) {
+    let (metrics, _, reference_samples) = reference();
+    assert_same_metrics(&metrics_without_timing(run_dir), metrics, what);
+    assert!(
+        samples(run_dir) == *reference_samples,
+        "{what}: samples.jsonl differs:\n{}\nvs\n{reference_samples}",
+        samples(run_dir)
+    );
 }
 
 /// A pseudo-random number below `n` (the clock's nanoseconds mixed; the test prints what it
@@ -168,7 +185,7 @@ fn kill_when(child: &mut Child, run_dir: &Path, what: &str, ready: impl Fn(&Path
 /// random RL step, and right after a checkpoint write of a later step began. The run is
 /// resumed after each.
 fn kill_and_resume_everywhere(run_dir: &Path, train: impl Fn() -> Command) {
-    let (_, step_time) = reference();
+    let (_, step_time, _) = reference();
 
     // 1. During SFT: the data metrics are logged just before the warm start begins.
     let mut child = train().spawn().unwrap();
@@ -311,9 +328,8 @@ fn a_local_run_killed_anywhere_resumes_to_the_same_metrics() {
     let dir = tempfile::tempdir().unwrap();
     let run_dir = dir.path().join("killed");
     kill_and_resume_everywhere(&run_dir, || floe_train(&run_dir));
-    assert_same_metrics(
-        &metrics_without_timing(&run_dir),
-        &reference().0,
+    assert_same_run(
+        &run_dir,
         "local run killed three times vs the uninterrupted run",
     );
 }
@@ -324,9 +340,8 @@ fn a_remote_run_killed_anywhere_resumes_to_the_same_metrics() {
     let server = Server::start(&dir.path().join("serve"), API_KEY);
     let run_dir = dir.path().join("killed");
     kill_and_resume_everywhere(&run_dir, || remote_train(&run_dir, &server.url));
-    assert_same_metrics(
-        &metrics_without_timing(&run_dir),
-        &reference().0,
+    assert_same_run(
+        &run_dir,
         "remote run killed three times vs the uninterrupted local run",
     );
 }
@@ -344,7 +359,7 @@ fn latest_state_id(run_dir: &Path) -> String {
 
 #[test]
 fn a_killed_server_fails_the_run_clearly_and_a_restart_resumes_it() {
-    let (_, step_time) = reference();
+    let (_, step_time, _) = reference();
     let dir = tempfile::tempdir().unwrap();
     let serve_dir = dir.path().join("serve");
     let mut server = Server::start(&serve_dir, API_KEY);
@@ -404,9 +419,8 @@ fn a_killed_server_fails_the_run_clearly_and_a_restart_resumes_it() {
     let restarted = Server::start_at(port, &serve_dir, Some(API_KEY), &[]);
     run_ok(remote_train(&run_dir, &restarted.url), "the resumed run");
     check_checkpoints(&run_dir);
-    assert_same_metrics(
-        &metrics_without_timing(&run_dir),
-        &reference().0,
+    assert_same_run(
+        &run_dir,
         "remote run resumed on a restarted server vs the uninterrupted local run",
     );
 }

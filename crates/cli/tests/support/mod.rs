@@ -63,7 +63,11 @@ impl Server {
         };
         let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
         let started = Instant::now();
-        while TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_err() {
+        // Another server (of a test beside this one) may have taken the port first: wait
+        // until this child holds the listening socket, not merely until the port answers.
+        while TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_err()
+            || !listens(server.child.id(), port)
+        {
             if let Some(status) = server.child.try_wait().expect("polling floe serve") {
                 panic!("floe serve exited with {status} before listening on {addr}");
             }
@@ -75,6 +79,32 @@ impl Server {
         }
         server
     }
+}
+
+/// Whether process `pid` holds the socket listening on 127.0.0.1:`port` (Linux: its
+/// inode in /proc/net/tcp among the process's open files). Elsewhere, true.
+fn listens(pid: u32, port: u16) -> bool {
+    let Ok(table) = std::fs::read_to_string("/proc/net/tcp") else {
+        return true;
+    };
+    let local = format!("0100007F:{port:04X}");
+    let inodes: Vec<String> = table
+        .lines()
+        .skip(1)
+        .map(|line| line.split_whitespace().collect::<Vec<_>>())
+        .filter(|f| f.len() > 9 && f[1] == local && f[3] == "0A")
+        .map(|f| format!("socket:[{}]", f[9]))
+        .collect();
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|fd| std::fs::read_link(fd.path()).ok())
+        .any(|target| {
+            inodes
+                .iter()
+                .any(|inode| target.as_os_str() == inode.as_str())
+        })
 }
 
 impl Server {
