@@ -18,6 +18,7 @@ pub mod error;
 pub mod futures;
 pub mod keys;
 pub mod native;
+pub mod openai;
 pub mod proto;
 pub mod rest;
 pub mod routes;
@@ -28,7 +29,7 @@ pub mod worker;
 use std::sync::Arc;
 
 use axum::extract::{DefaultBodyLimit, Request, State};
-use axum::http::StatusCode;
+use axum::http::{header, HeaderMap, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::Response;
 use axum::routing::{delete, get, post};
@@ -104,10 +105,11 @@ pub fn router(config: ServerConfig) -> Router {
     ));
     Router::new()
         .nest("/api/v1", api)
+        .nest("/v1", openai::router(Arc::clone(&app)))
         .nest(floe_engine::native_api::NATIVE_PREFIX, native)
         .fallback(|| async {
             ApiError::not_found(
-                "no such route; the Tinker API lives under /api/v1/, floe's native API under /floe/v1/",
+                "no such route; the Tinker API lives under /api/v1/, the OpenAI-compatible one under /v1/, floe's native API under /floe/v1/",
             )
         })
         .layer(DefaultBodyLimit::max(max_body))
@@ -132,34 +134,43 @@ pub async fn serve(listener: tokio::net::TcpListener, config: ServerConfig) -> a
     Ok(())
 }
 
-/// 401 unless the request carries an accepted `X-API-Key`.
+/// 401 unless the request carries an accepted key ([`check_key`]).
 async fn authenticate(
     State(app): State<AppRef>,
     request: Request,
     next: Next,
 ) -> Result<Response, ApiError> {
-    if let Auth::Keys(keys) = &app.config.auth {
-        let key = request
-            .headers()
-            .get(API_KEY_HEADER)
-            .and_then(|v| v.to_str().ok());
-        match key {
-            Some(key) if keys.accepts(key) => {}
-            Some(_) => {
-                return Err(ApiError::new(
-                    StatusCode::UNAUTHORIZED,
-                    "the X-API-Key is not accepted by this server",
-                ))
-            }
-            None => {
-                return Err(ApiError::new(
-                    StatusCode::UNAUTHORIZED,
-                    "missing X-API-Key header",
-                ))
-            }
-        }
-    }
+    check_key(&app, request.headers())?;
     Ok(next.run(request).await)
+}
+
+/// Accepts a request whose `X-API-Key` or `Authorization: Bearer <key>` (what OpenAI
+/// clients send) is a key of this server; any key on a keyless loopback server.
+pub(crate) fn check_key(app: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
+    let Auth::Keys(keys) = &app.config.auth else {
+        return Ok(());
+    };
+    let key = headers
+        .get(API_KEY_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .or_else(|| {
+            headers
+                .get(header::AUTHORIZATION)
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.strip_prefix("Bearer "))
+                .map(str::trim)
+        });
+    match key {
+        Some(key) if keys.accepts(key) => Ok(()),
+        Some(_) => Err(ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            "the API key (X-API-Key or Authorization: Bearer) is not accepted by this server",
+        )),
+        None => Err(ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            "missing API key: send an X-API-Key header or Authorization: Bearer <key>",
+        )),
+    }
 }
 
 /// Drops expired futures and sessions in the background, a few times per expiry period.

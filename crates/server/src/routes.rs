@@ -185,7 +185,7 @@ pub fn expire_sessions(app: &AppState, max_idle: Duration) -> Vec<String> {
 }
 
 /// Loads a base model's shape and tokenizer; the engine builds on its own thread.
-fn load_base(app: &AppState, name: &str) -> Result<LoadedBase, ApiError> {
+pub(crate) fn load_base(app: &AppState, name: &str) -> Result<LoadedBase, ApiError> {
     let weights = app
         .config
         .catalog
@@ -199,7 +199,7 @@ fn load_base(app: &AppState, name: &str) -> Result<LoadedBase, ApiError> {
     })
 }
 
-fn facts(base: &LoadedBase) -> ModelFacts {
+pub(crate) fn facts(base: &LoadedBase) -> ModelFacts {
     ModelFacts {
         vocab_size: base.config.vocab_size,
         max_context: base.config.max_position_embeddings,
@@ -215,7 +215,7 @@ fn facts(base: &LoadedBase) -> ModelFacts {
 }
 
 /// Spawns an engine thread for `source`, optionally loading a saved state after it.
-fn spawn_engine(
+pub(crate) fn spawn_engine(
     app: &AppState,
     name: String,
     base: LoadedBase,

@@ -1,0 +1,1188 @@
+//! The OpenAI-compatible routes under `/v1`: `chat/completions`, `completions` and
+//! `models`, so black-box agents that speak the OpenAI API roll out against the policy a
+//! server holds.
+//!
+//! `model` names a base model of the catalog (the server keeps one sampling engine per
+//! base model, made on first use), a Tinker sampling session (`{session}:sample:{n}`) or
+//! a Tinker training model (`{session}:train:{n}`: its current weights). Sampling goes
+//! through the same engine workers and [`floe_engine::Engine::sample`] as `/asample`, so
+//! the tokens and log-probs are the engine's own. Every choice carries the sampled
+//! `token_ids` and their log-probs (OpenAI's `logprobs` shape, always filled), and the
+//! response the rendered `prompt_token_ids`, so training uses exactly the sampled tokens.
+//!
+//! Streaming (`stream: true`) answers server-sent events in OpenAI's chunk format; the
+//! engine reports a sample when it finishes, so each choice's chunks (one per token)
+//! arrive together once that sample is done. Errors use OpenAI's
+//! `{"error": {"message", "type", "param", "code"}}` shape.
+
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use axum::body::{Body as HttpBody, Bytes};
+use axum::extract::{Request, State};
+use axum::http::{header, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use floe_engine::{Engine, Generation, SampleRequest, SamplingParams, StopReason};
+use floe_model::chat_template::ChatTemplate;
+use floe_model::tokenizer::Tokenizer;
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use crate::error::ApiError;
+use crate::routes::{self, AppRef, Body};
+use crate::state::{random_id, ModelFacts};
+use crate::worker::{Job, Worker};
+
+/// Most choices (`n`) one request may ask for.
+const MAX_N: usize = 128;
+/// `max_tokens` of `/v1/completions` when absent (OpenAI's default).
+const COMPLETIONS_DEFAULT_MAX_TOKENS: usize = 16;
+
+/// State of the OpenAI routes.
+struct OpenAi {
+    app: AppRef,
+    /// The sampling engine of each catalog base model, made on first use.
+    bases: Mutex<HashMap<String, Arc<Target>>>,
+    /// The tokenizer and chat template of each base model, loaded on first use.
+    texts: Mutex<HashMap<String, Arc<Text>>>,
+    next_request: AtomicU64,
+}
+
+type OpenAiRef = Arc<OpenAi>;
+
+/// An engine to sample from.
+struct Target {
+    worker: Arc<Worker>,
+    facts: ModelFacts,
+    base_model: String,
+    /// A training model: sync its sampler to the latest weights first.
+    training: bool,
+}
+
+/// How a base model's text becomes tokens.
+struct Text {
+    tokenizer: Tokenizer,
+    template: Option<ChatTemplate>,
+}
+
+/// An error in OpenAI's shape.
+#[derive(Debug)]
+pub struct OpenAiError {
+    status: StatusCode,
+    message: String,
+    param: Option<&'static str>,
+    code: Option<&'static str>,
+}
+
+impl OpenAiError {
+    fn bad(message: impl Into<String>, param: &'static str) -> Self {
+        Self {
+            status: StatusCode::BAD_REQUEST,
+            message: message.into(),
+            param: Some(param),
+            code: None,
+        }
+    }
+}
+
+impl From<ApiError> for OpenAiError {
+    fn from(error: ApiError) -> Self {
+        Self {
+            status: error.status,
+            message: error.detail,
+            param: None,
+            code: None,
+        }
+    }
+}
+
+/// OpenAI's `error.type` for a status.
+fn error_type(status: StatusCode) -> &'static str {
+    match status.as_u16() {
+        401 => "authentication_error",
+        403 => "permission_error",
+        404 => "not_found_error",
+        429 => "rate_limit_error",
+        s if s >= 500 => "server_error",
+        _ => "invalid_request_error",
+    }
+}
+
+fn error_body(status: StatusCode, message: &str, param: Option<&str>, code: Option<&str>) -> Value {
+    json!({ "error": {
+        "message": message,
+        "type": error_type(status),
+        "param": param,
+        "code": code,
+    }})
+}
+
+impl IntoResponse for OpenAiError {
+    fn into_response(self) -> Response {
+        if self.status.is_server_error() {
+            tracing::error!(status = %self.status, "{}", self.message);
+        } else {
+            tracing::debug!(status = %self.status, "{}", self.message);
+        }
+        let body = error_body(self.status, &self.message, self.param, self.code);
+        (self.status, Json(body)).into_response()
+    }
+}
+
+/// The `/v1` routes over the server's state, behind the API-key check (`X-API-Key` or
+/// `Authorization: Bearer`), every error in OpenAI's shape.
+pub fn router<S: Clone + Send + Sync + 'static>(app: AppRef) -> Router<S> {
+    let state = Arc::new(OpenAi {
+        app,
+        bases: Mutex::new(HashMap::new()),
+        texts: Mutex::new(HashMap::new()),
+        next_request: AtomicU64::new(1),
+    });
+    Router::new()
+        .route("/chat/completions", post(chat_completions))
+        .route("/completions", post(completions))
+        .route("/models", get(models))
+        .route_layer(middleware::from_fn_with_state(
+            Arc::clone(&state),
+            authenticate,
+        ))
+        .fallback(|| async {
+            OpenAiError {
+                status: StatusCode::NOT_FOUND,
+                message: "no such route; this server offers /v1/chat/completions, /v1/completions and /v1/models".into(),
+                param: None,
+                code: None,
+            }
+        })
+        .with_state(state)
+}
+
+async fn authenticate(
+    State(state): State<OpenAiRef>,
+    request: Request,
+    next: Next,
+) -> Result<Response, OpenAiError> {
+    crate::check_key(&state.app, request.headers())?;
+    Ok(next.run(request).await)
+}
+
+/// `GET /v1/models`: the catalog's base models, then the sampling sessions and training
+/// models this server holds.
+async fn models(State(state): State<OpenAiRef>) -> Json<Value> {
+    let mut data: Vec<Value> = state
+        .app
+        .config
+        .catalog
+        .iter()
+        .map(|(name, _)| json!({ "id": name, "object": "model", "created": 0, "owned_by": "floe" }))
+        .collect();
+    let registry = state.app.registry();
+    let mut held: Vec<&String> = registry
+        .samplers
+        .keys()
+        .chain(registry.models.keys())
+        .collect();
+    held.sort();
+    data.extend(
+        held.into_iter()
+            .map(|id| json!({ "id": id, "object": "model", "created": 0, "owned_by": "floe" })),
+    );
+    Json(json!({ "object": "list", "data": data }))
+}
+
+impl OpenAi {
+    /// The engine `model` names: a sampling session, a training model, or a base model.
+    fn target(&self, model: &str) -> Result<Arc<Target>, OpenAiError> {
+        {
+            let registry = self.app.registry();
+            if let Some(sampler) = registry.samplers.get(model) {
+                return Ok(Arc::new(Target {
+                    worker: Arc::clone(&sampler.worker),
+                    facts: sampler.facts.clone(),
+                    base_model: sampler.base_model.clone(),
+                    training: false,
+                }));
+            }
+            if let Some(trained) = registry.models.get(model) {
+                return Ok(Arc::new(Target {
+                    worker: Arc::clone(&trained.worker),
+                    facts: trained.facts.clone(),
+                    base_model: trained.base_model.clone(),
+                    training: true,
+                }));
+            }
+        }
+        if self.app.config.catalog.get(model).is_err() {
+            let known: Vec<&str> = self
+                .app
+                .config
+                .catalog
+                .iter()
+                .map(|(n, _)| n.as_str())
+                .collect();
+            return Err(OpenAiError {
+                status: StatusCode::NOT_FOUND,
+                message: format!(
+                    "the model {model:?} does not exist: name a base model ({}), a sampling session or a training model id",
+                    known.join(", ")
+                ),
+                param: Some("model"),
+                code: Some("model_not_found"),
+            });
+        }
+        let mut bases = self.bases.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(target) = bases.get(model) {
+            return Ok(Arc::clone(target));
+        }
+        let base = routes::load_base(&self.app, model)?;
+        let facts = routes::facts(&base);
+        let worker = routes::spawn_engine(
+            &self.app,
+            format!("engine openai:{model}"),
+            base,
+            None,
+            None,
+        )?;
+        let target = Arc::new(Target {
+            worker,
+            facts,
+            base_model: model.to_string(),
+            training: false,
+        });
+        bases.insert(model.to_string(), Arc::clone(&target));
+        Ok(target)
+    }
+
+    /// The tokenizer and chat template of base model `name`.
+    fn text(&self, name: &str) -> Result<Arc<Text>, OpenAiError> {
+        let mut texts = self.texts.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(text) = texts.get(name) {
+            return Ok(Arc::clone(text));
+        }
+        let base = routes::load_base(&self.app, name)?;
+        let tokenizer = base.tokenizer.ok_or_else(|| {
+            OpenAiError::bad(
+                format!("the model {name:?} has no tokenizer, so it cannot take text; sample token ids through /api/v1/asample"),
+                "model",
+            )
+        })?;
+        let template = ChatTemplate::from_tokenizer(&tokenizer).map_err(|e| OpenAiError {
+            status: StatusCode::INTERNAL_SERVER_ERROR,
+            message: format!("the chat template of {name:?}: {e}"),
+            param: None,
+            code: None,
+        })?;
+        let text = Arc::new(Text {
+            tokenizer,
+            template,
+        });
+        texts.insert(name.to_string(), Arc::clone(&text));
+        Ok(text)
+    }
+}
+
+/// `stop`: a string or strings.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum StopField {
+    One(String),
+    Many(Vec<String>),
+}
+
+/// The fields both routes share.
+#[derive(Debug, Deserialize)]
+struct Common {
+    model: String,
+    max_tokens: Option<usize>,
+    max_completion_tokens: Option<usize>,
+    temperature: Option<f32>,
+    top_p: Option<f32>,
+    /// vLLM's extension.
+    top_k: Option<i32>,
+    n: Option<usize>,
+    stop: Option<StopField>,
+    /// vLLM's extension: token ids that end a sample (besides EOS).
+    #[serde(default)]
+    stop_token_ids: Vec<u32>,
+    seed: Option<u64>,
+    #[serde(default)]
+    stream: bool,
+    stream_options: Option<StreamOptions>,
+    top_logprobs: Option<u32>,
+}
+
+#[derive(Debug, Deserialize)]
+struct StreamOptions {
+    #[serde(default)]
+    include_usage: bool,
+}
+
+#[derive(Debug, Deserialize)]
+struct ChatRequest {
+    #[serde(flatten)]
+    common: Common,
+    messages: Value,
+    tools: Option<Value>,
+    /// vLLM's extension: more template variables (e.g. `enable_thinking`).
+    chat_template_kwargs: Option<Value>,
+}
+
+#[derive(Debug, Deserialize)]
+struct CompletionRequest {
+    #[serde(flatten)]
+    common: Common,
+    prompt: Value,
+    /// OpenAI's `logprobs` is the number of top alternatives; only 0 (or absent) works.
+    logprobs: Option<u32>,
+    #[serde(default)]
+    echo: bool,
+}
+
+fn parse<T: serde::de::DeserializeOwned>(route: &str, body: Body) -> Result<T, OpenAiError> {
+    let body = body.map_err(|e| OpenAiError {
+        status: e.status(),
+        message: format!("{route}: {}", e.body_text()),
+        param: None,
+        code: None,
+    })?;
+    serde_json::from_slice(&body).map_err(|e| OpenAiError {
+        status: StatusCode::BAD_REQUEST,
+        message: format!("{route}: invalid request body: {e}"),
+        param: None,
+        code: None,
+    })
+}
+
+/// The engine's parameters for `common`, a prompt of `prompt_len` tokens.
+fn sampling_params(
+    common: &Common,
+    facts: &ModelFacts,
+    prompt_len: usize,
+    default_max: Option<usize>,
+) -> Result<SamplingParams, OpenAiError> {
+    let room = facts.max_context.saturating_sub(prompt_len);
+    let max_new_tokens = common
+        .max_completion_tokens
+        .or(common.max_tokens)
+        .or(default_max.map(|d| d.min(room)))
+        .unwrap_or(room);
+    if max_new_tokens == 0 || max_new_tokens > room {
+        return Err(OpenAiError::bad(
+            format!(
+                "max_tokens {max_new_tokens} does not fit: the prompt has {prompt_len} tokens and the model's context is {}",
+                facts.max_context
+            ),
+            "max_tokens",
+        ));
+    }
+    let temperature = common.temperature.unwrap_or(1.0);
+    if !(0.0..=2.0).contains(&temperature) {
+        return Err(OpenAiError::bad(
+            format!("temperature {temperature} is not in [0, 2]"),
+            "temperature",
+        ));
+    }
+    let top_p = common.top_p.unwrap_or(1.0);
+    if !(top_p > 0.0 && top_p <= 1.0) {
+        return Err(OpenAiError::bad(
+            format!("top_p {top_p} is not in (0, 1]"),
+            "top_p",
+        ));
+    }
+    if common.top_logprobs.unwrap_or(0) > 0 {
+        return Err(OpenAiError::bad(
+            "top_logprobs is not supported yet; every choice carries the sampled tokens' log-probs",
+            "top_logprobs",
+        ));
+    }
+    let stop_strings = match &common.stop {
+        None => Vec::new(),
+        Some(StopField::One(s)) => vec![s.clone()],
+        Some(StopField::Many(list)) => list.clone(),
+    };
+    if stop_strings.iter().any(String::is_empty) {
+        return Err(OpenAiError::bad("stop strings must not be empty", "stop"));
+    }
+    if let Some(bad) = common
+        .stop_token_ids
+        .iter()
+        .find(|&&t| t as usize >= facts.vocab_size)
+    {
+        return Err(OpenAiError::bad(
+            format!(
+                "stop token {bad} is outside the vocabulary of {}",
+                facts.vocab_size
+            ),
+            "stop_token_ids",
+        ));
+    }
+    let mut stop_token_ids = facts.eos_token_ids.clone();
+    stop_token_ids.extend(&common.stop_token_ids);
+    Ok(SamplingParams {
+        temperature,
+        top_p,
+        top_k: common.top_k.unwrap_or(-1).max(0),
+        max_new_tokens,
+        stop_token_ids,
+        stop_strings,
+        include_stop_str_in_output: false,
+        seed: common.seed,
+        logprobs: true,
+        ..SamplingParams::default()
+    })
+}
+
+fn choices(common: &Common) -> Result<usize, OpenAiError> {
+    let n = common.n.unwrap_or(1);
+    if n == 0 || n > MAX_N {
+        return Err(OpenAiError::bad(
+            format!("n {n} is not in [1, {MAX_N}]"),
+            "n",
+        ));
+    }
+    Ok(n)
+}
+
+/// What the engine job reports.
+enum Event {
+    Generation(Generation),
+    Done,
+    Failed(StatusCode, String),
+}
+
+/// Queues `n` samples of `prompt` on the target's engine; events arrive on the receiver.
+fn submit(
+    state: &OpenAi,
+    target: &Target,
+    prompt: Vec<u32>,
+    n: usize,
+    params: SamplingParams,
+) -> Result<tokio::sync::mpsc::UnboundedReceiver<Event>, OpenAiError> {
+    let (events, receiver) = tokio::sync::mpsc::unbounded_channel();
+    let request = SampleRequest {
+        id: state.next_request.fetch_add(1, Ordering::Relaxed),
+        prompt,
+        n,
+        params,
+    };
+    let training = target.training;
+    let job: Job = Box::new(move |engine| {
+        if training {
+            if let Err(e) = engine.sync_sampler_weights() {
+                let error = format!("syncing the sampler to the latest weights: {e}");
+                let _ = events.send(Event::Failed(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    error.clone(),
+                ));
+                return crate::futures::Outcome::server_error(error);
+            }
+        }
+        match engine.sample(vec![request], &mut |g| {
+            let _ = events.send(Event::Generation(g));
+        }) {
+            Ok(()) => {
+                let _ = events.send(Event::Done);
+                crate::futures::Outcome::Json(Value::Null)
+            }
+            Err(e) => {
+                let status = if e.is_invalid_request() {
+                    StatusCode::BAD_REQUEST
+                } else {
+                    StatusCode::INTERNAL_SERVER_ERROR
+                };
+                let error = format!("sample: {e}");
+                let _ = events.send(Event::Failed(status, error.clone()));
+                crate::futures::Outcome::user_error(error)
+            }
+        }
+    });
+    state.app.submit_unordered(&target.worker, job)?;
+    Ok(receiver)
+}
+
+/// Every generation, by sample index, once all are done.
+async fn collect(
+    mut receiver: tokio::sync::mpsc::UnboundedReceiver<Event>,
+) -> Result<Vec<Generation>, OpenAiError> {
+    let mut generations = Vec::new();
+    loop {
+        match receiver.recv().await {
+            Some(Event::Generation(g)) => generations.push(g),
+            Some(Event::Done) => break,
+            Some(Event::Failed(status, message)) => {
+                return Err(OpenAiError {
+                    status,
+                    message,
+                    param: None,
+                    code: None,
+                })
+            }
+            None => {
+                return Err(OpenAiError {
+                    status: StatusCode::INTERNAL_SERVER_ERROR,
+                    message: "the engine stopped before the samples were done".into(),
+                    param: None,
+                    code: None,
+                })
+            }
+        }
+    }
+    generations.sort_by_key(|g| g.sample_index);
+    Ok(generations)
+}
+
+/// A generation's text, tokens without the stop token, and OpenAI finish reason.
+struct Finished {
+    content: String,
+    finish_reason: &'static str,
+}
+
+fn finish(text: &Text, g: &Generation) -> Finished {
+    let content = match &g.text {
+        // Stop strings: the sampler's text, cut before the matched one.
+        Some(cut) => cut.clone(),
+        None => text.tokenizer.decode(&g.tokens, true).unwrap_or_default(),
+    };
+    let finish_reason = match g.stop_reason {
+        StopReason::Length => "length",
+        StopReason::Stop(_) => "stop",
+    };
+    Finished {
+        content,
+        finish_reason,
+    }
+}
+
+/// The text of one token, for `logprobs` (special tokens kept, so EOS shows).
+fn token_text(text: &Text, id: u32) -> String {
+    text.tokenizer.decode(&[id], false).unwrap_or_default()
+}
+
+/// OpenAI chat `logprobs` of `tokens`.
+fn chat_logprobs(text: &Text, tokens: &[u32], logprobs: &[f32]) -> Value {
+    let content: Vec<Value> = tokens
+        .iter()
+        .zip(logprobs)
+        .map(|(&id, &lp)| {
+            let token = token_text(text, id);
+            json!({
+                "token": token,
+                "logprob": lp,
+                "bytes": token.as_bytes(),
+                "top_logprobs": [],
+            })
+        })
+        .collect();
+    json!({ "content": content })
+}
+
+/// OpenAI completions `logprobs` of `tokens`.
+fn completion_logprobs(text: &Text, tokens: &[u32], logprobs: &[f32], offset: usize) -> Value {
+    let mut offsets = Vec::with_capacity(tokens.len());
+    let mut at = offset;
+    let pieces: Vec<String> = tokens
+        .iter()
+        .map(|&id| {
+            let piece = token_text(text, id);
+            offsets.push(at);
+            at += piece.len();
+            piece
+        })
+        .collect();
+    json!({
+        "tokens": pieces,
+        "token_logprobs": logprobs,
+        "top_logprobs": null,
+        "text_offset": offsets,
+    })
+}
+
+fn usage(prompt_len: usize, generations: &[Generation]) -> Value {
+    let completion: usize = generations.iter().map(|g| g.tokens.len()).sum();
+    json!({
+        "prompt_tokens": prompt_len,
+        "completion_tokens": completion,
+        "total_tokens": prompt_len + completion,
+    })
+}
+
+fn now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+/// The tool calls of Hermes/Qwen-style output (`<tool_call>{"name", "arguments"}</tool_call>`),
+/// and the content before the first one; `None` when it has none that parse.
+fn parse_tool_calls(content: &str) -> Option<(Option<String>, Vec<Value>)> {
+    const OPEN: &str = "<tool_call>";
+    const CLOSE: &str = "</tool_call>";
+    let first = content.find(OPEN)?;
+    let mut calls = Vec::new();
+    let mut rest = &content[first..];
+    while let Some(start) = rest.find(OPEN) {
+        let after = &rest[start + OPEN.len()..];
+        let end = after.find(CLOSE).unwrap_or(after.len());
+        let call: Value = serde_json::from_str(after[..end].trim()).ok()?;
+        let name = call.get("name")?.as_str()?.to_string();
+        let arguments = match call.get("arguments") {
+            Some(Value::String(s)) => s.clone(),
+            Some(other) => other.to_string(),
+            None => "{}".to_string(),
+        };
+        calls.push(json!({
+            "id": random_id("call"),
+            "type": "function",
+            "function": { "name": name, "arguments": arguments },
+        }));
+        rest = &after[(end + CLOSE.len()).min(after.len())..];
+    }
+    let before = content[..first].trim();
+    Some(((!before.is_empty()).then(|| before.to_string()), calls))
+}
+
+/// The rendered, tokenized prompt of a chat request.
+fn chat_prompt(text: &Text, request: &ChatRequest) -> Result<Vec<u32>, OpenAiError> {
+    let Some(template) = &text.template else {
+        return Err(OpenAiError::bad(
+            format!(
+                "the model {:?} has no chat template; use /v1/completions",
+                request.common.model
+            ),
+            "model",
+        ));
+    };
+    let Value::Array(raw) = &request.messages else {
+        return Err(OpenAiError::bad("messages must be an array", "messages"));
+    };
+    if raw.is_empty() {
+        return Err(OpenAiError::bad("messages must not be empty", "messages"));
+    }
+    let mut messages = Vec::with_capacity(raw.len());
+    for (i, message) in raw.iter().enumerate() {
+        let Value::Object(fields) = message else {
+            return Err(OpenAiError::bad(
+                format!("messages[{i}] is not an object"),
+                "messages",
+            ));
+        };
+        let mut fields = fields.clone();
+        match fields.get("role") {
+            Some(Value::String(role))
+                if ["system", "developer", "user", "assistant", "tool"]
+                    .contains(&role.as_str()) => {}
+            other => {
+                return Err(OpenAiError::bad(
+                    format!("messages[{i}].role {other:?} is not one of system, developer, user, assistant, tool"),
+                    "messages",
+                ))
+            }
+        }
+        // Content parts: the text parts, joined; images and audio are not supported.
+        match fields.get("content").cloned() {
+            Some(Value::Array(parts)) => {
+                let mut joined = String::new();
+                for part in parts {
+                    match (part.get("type").and_then(Value::as_str), part.get("text")) {
+                        (Some("text"), Some(Value::String(t))) => joined.push_str(t),
+                        _ => {
+                            return Err(OpenAiError::bad(
+                                format!("messages[{i}].content: only text parts are supported"),
+                                "messages",
+                            ))
+                        }
+                    }
+                }
+                fields.insert("content".into(), Value::String(joined));
+            }
+            Some(Value::String(_)) => {}
+            None | Some(Value::Null) => {
+                fields.insert("content".into(), Value::String(String::new()));
+            }
+            Some(_) => {
+                return Err(OpenAiError::bad(
+                    format!("messages[{i}].content must be a string or an array of text parts"),
+                    "messages",
+                ))
+            }
+        }
+        messages.push(Value::Object(fields));
+    }
+    let mut extra = serde_json::Map::new();
+    if let Some(tools) = &request.tools {
+        if !matches!(tools, Value::Array(_)) {
+            return Err(OpenAiError::bad("tools must be an array", "tools"));
+        }
+        if !template.source().contains("tools") {
+            return Err(OpenAiError::bad(
+                format!(
+                    "the chat template of {:?} does not render tools",
+                    request.common.model
+                ),
+                "tools",
+            ));
+        }
+        extra.insert("tools".into(), tools.clone());
+    }
+    match &request.chat_template_kwargs {
+        None | Some(Value::Null) => {}
+        Some(Value::Object(kwargs)) => extra.extend(kwargs.clone()),
+        Some(_) => {
+            return Err(OpenAiError::bad(
+                "chat_template_kwargs must be an object",
+                "chat_template_kwargs",
+            ))
+        }
+    }
+    let rendered = template
+        .render(&messages, true, &Value::Object(extra))
+        .map_err(|e| OpenAiError::bad(format!("rendering the chat template: {e}"), "messages"))?;
+    text.tokenizer
+        .encode(&rendered, false)
+        .map_err(|e| OpenAiError::bad(format!("tokenizing the prompt: {e}"), "messages"))
+}
+
+/// `POST /v1/chat/completions`.
+async fn chat_completions(
+    State(state): State<OpenAiRef>,
+    body: Body,
+) -> Result<Response, OpenAiError> {
+    let request: ChatRequest = parse("chat/completions", body)?;
+    let target = state.target(&request.common.model)?;
+    let text = state.text(&target.base_model)?;
+    let prompt = chat_prompt(&text, &request)?;
+    let n = choices(&request.common)?;
+    let params = sampling_params(&request.common, &target.facts, prompt.len(), None)?;
+    let receiver = submit(&state, &target, prompt.clone(), n, params)?;
+    let meta = Meta {
+        id: random_id("chatcmpl"),
+        model: request.common.model.clone(),
+        created: now(),
+        tools: request.tools.is_some(),
+        include_usage: request
+            .common
+            .stream_options
+            .as_ref()
+            .is_some_and(|o| o.include_usage),
+    };
+    if request.common.stream {
+        return Ok(sse(chat_stream(text, meta, prompt, receiver)));
+    }
+    let generations = collect(receiver).await?;
+    let choices: Vec<Value> = generations
+        .iter()
+        .map(|g| {
+            let finished = finish(&text, g);
+            let mut message = json!({ "role": "assistant", "content": finished.content });
+            let mut finish_reason = finished.finish_reason;
+            if meta.tools {
+                if let Some((content, calls)) = parse_tool_calls(&finished.content) {
+                    message =
+                        json!({ "role": "assistant", "content": content, "tool_calls": calls });
+                    if finish_reason == "stop" {
+                        finish_reason = "tool_calls";
+                    }
+                }
+            }
+            json!({
+                "index": g.sample_index,
+                "message": message,
+                "logprobs": chat_logprobs(&text, &g.tokens, &g.logprobs),
+                "finish_reason": finish_reason,
+                "token_ids": g.tokens,
+            })
+        })
+        .collect();
+    Ok(Json(json!({
+        "id": meta.id,
+        "object": "chat.completion",
+        "created": meta.created,
+        "model": meta.model,
+        "choices": choices,
+        "usage": usage(prompt.len(), &generations),
+        "prompt_token_ids": prompt,
+    }))
+    .into_response())
+}
+
+/// The prompt of a completions request: a string or token ids.
+fn completion_prompt(
+    text: &Text,
+    facts: &ModelFacts,
+    prompt: &Value,
+) -> Result<Vec<u32>, OpenAiError> {
+    let tokens = match prompt {
+        Value::String(s) => text
+            .tokenizer
+            .encode(s, true)
+            .map_err(|e| OpenAiError::bad(format!("tokenizing the prompt: {e}"), "prompt"))?,
+        Value::Array(items) if items.iter().all(Value::is_u64) => items
+            .iter()
+            .map(|v| u32::try_from(v.as_u64().unwrap_or(u64::MAX)).unwrap_or(u32::MAX))
+            .collect(),
+        Value::Array(items) if items.len() == 1 && items[0].is_string() => {
+            return completion_prompt(text, facts, &items[0])
+        }
+        _ => {
+            return Err(OpenAiError::bad(
+                "prompt must be a string or an array of token ids (one prompt per request)",
+                "prompt",
+            ))
+        }
+    };
+    if tokens.is_empty() {
+        return Err(OpenAiError::bad("the prompt has no tokens", "prompt"));
+    }
+    if let Some(bad) = tokens.iter().find(|&&t| t as usize >= facts.vocab_size) {
+        return Err(OpenAiError::bad(
+            format!(
+                "prompt token {bad} is outside the vocabulary of {}",
+                facts.vocab_size
+            ),
+            "prompt",
+        ));
+    }
+    Ok(tokens)
+}
+
+/// `POST /v1/completions`.
+async fn completions(State(state): State<OpenAiRef>, body: Body) -> Result<Response, OpenAiError> {
+    let request: CompletionRequest = parse("completions", body)?;
+    if request.logprobs.unwrap_or(0) > 0 {
+        return Err(OpenAiError::bad(
+            "logprobs > 0 (top alternatives) is not supported yet; every choice carries the sampled tokens' log-probs",
+            "logprobs",
+        ));
+    }
+    if request.echo {
+        return Err(OpenAiError::bad("echo is not supported", "echo"));
+    }
+    let target = state.target(&request.common.model)?;
+    let text = state.text(&target.base_model)?;
+    let prompt = completion_prompt(&text, &target.facts, &request.prompt)?;
+    let n = choices(&request.common)?;
+    let params = sampling_params(
+        &request.common,
+        &target.facts,
+        prompt.len(),
+        Some(COMPLETIONS_DEFAULT_MAX_TOKENS),
+    )?;
+    let receiver = submit(&state, &target, prompt.clone(), n, params)?;
+    let meta = Meta {
+        id: random_id("cmpl"),
+        model: request.common.model.clone(),
+        created: now(),
+        tools: false,
+        include_usage: request
+            .common
+            .stream_options
+            .as_ref()
+            .is_some_and(|o| o.include_usage),
+    };
+    if request.common.stream {
+        return Ok(sse(completion_stream(text, meta, prompt, receiver)));
+    }
+    let generations = collect(receiver).await?;
+    let choices: Vec<Value> = generations
+        .iter()
+        .map(|g| {
+            let finished = finish(&text, g);
+            json!({
+                "index": g.sample_index,
+                "text": finished.content,
+                "logprobs": completion_logprobs(&text, &g.tokens, &g.logprobs, 0),
+                "finish_reason": finished.finish_reason,
+                "token_ids": g.tokens,
+            })
+        })
+        .collect();
+    Ok(Json(json!({
+        "id": meta.id,
+        "object": "text_completion",
+        "created": meta.created,
+        "model": meta.model,
+        "choices": choices,
+        "usage": usage(prompt.len(), &generations),
+        "prompt_token_ids": prompt,
+    }))
+    .into_response())
+}
+
+/// What every chunk of a response repeats.
+struct Meta {
+    id: String,
+    model: String,
+    created: u64,
+    tools: bool,
+    include_usage: bool,
+}
+
+/// A server-sent-events response over `events` (each a `data:` payload).
+fn sse(events: tokio::sync::mpsc::UnboundedReceiver<String>) -> Response {
+    let mut events = events;
+    let stream = futures_util::stream::poll_fn(move |cx| {
+        events
+            .poll_recv(cx)
+            .map(|e| e.map(|e| Ok::<_, Infallible>(Bytes::from(format!("data: {e}\n\n")))))
+    });
+    (
+        [
+            (header::CONTENT_TYPE, "text/event-stream"),
+            (header::CACHE_CONTROL, "no-cache"),
+        ],
+        HttpBody::from_stream(stream),
+    )
+        .into_response()
+}
+
+/// Splits a finished generation into per-token text pieces whose concatenation is its
+/// content (incremental detokenization; a token that ends inside a UTF-8 character gives
+/// an empty piece and the next one carries it).
+fn token_pieces(text: &Text, tokens: &[u32], content: &str) -> Vec<String> {
+    let mut pieces = Vec::with_capacity(tokens.len());
+    let mut emitted = 0usize;
+    let (mut prefix, mut read) = (0usize, 0usize);
+    for i in 0..tokens.len() {
+        let before = text
+            .tokenizer
+            .decode(&tokens[prefix..read], true)
+            .unwrap_or_default();
+        let now = text
+            .tokenizer
+            .decode(&tokens[prefix..=i], true)
+            .unwrap_or_default();
+        let mut piece = String::new();
+        if now.len() > before.len() && now.starts_with(&before) && !now.ends_with('\u{FFFD}') {
+            piece = now[before.len()..].to_string();
+            prefix = read;
+            read = i + 1;
+        }
+        // Keep to the content (a stop string cuts it short).
+        let room = content.len().saturating_sub(emitted);
+        if piece.len() > room || !content[emitted..].starts_with(&piece) {
+            piece = content[emitted..].to_string();
+        }
+        emitted += piece.len();
+        pieces.push(piece);
+    }
+    if emitted < content.len() {
+        if let Some(last) = pieces.last_mut() {
+            last.push_str(&content[emitted..]);
+        }
+    }
+    pieces
+}
+
+fn chat_chunk(meta: &Meta, choices: Value) -> String {
+    json!({
+        "id": meta.id,
+        "object": "chat.completion.chunk",
+        "created": meta.created,
+        "model": meta.model,
+        "choices": choices,
+    })
+    .to_string()
+}
+
+fn stream_error(status: StatusCode, message: &str) -> String {
+    error_body(status, message, None, None).to_string()
+}
+
+/// The chunks of a streamed chat completion: for each choice as it finishes, a role
+/// chunk, one chunk per token (with its log-prob and id), and a finish chunk.
+fn chat_stream(
+    text: Arc<Text>,
+    meta: Meta,
+    prompt: Vec<u32>,
+    mut receiver: tokio::sync::mpsc::UnboundedReceiver<Event>,
+) -> tokio::sync::mpsc::UnboundedReceiver<String> {
+    let (out, chunks) = tokio::sync::mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        let mut generations = Vec::new();
+        let mut first = true;
+        while let Some(event) = receiver.recv().await {
+            match event {
+                Event::Generation(g) => {
+                    let i = g.sample_index;
+                    let mut head: Value = serde_json::from_str(&chat_chunk(
+                        &meta,
+                        json!([{ "index": i, "delta": { "role": "assistant", "content": "" }, "logprobs": null, "finish_reason": null }]),
+                    ))
+                    .expect("a chunk is JSON");
+                    if first {
+                        head["prompt_token_ids"] = json!(prompt);
+                        first = false;
+                    }
+                    let _ = out.send(head.to_string());
+                    let finished = finish(&text, &g);
+                    let mut finish_reason = finished.finish_reason;
+                    let calls = if meta.tools {
+                        parse_tool_calls(&finished.content)
+                    } else {
+                        None
+                    };
+                    if let Some((content, calls)) = calls {
+                        // Tool calls: one delta with the whole message.
+                        let _ = out.send(chat_chunk(
+                            &meta,
+                            json!([{
+                                "index": i,
+                                "delta": { "content": content, "tool_calls": calls.iter().enumerate().map(|(k, c)| {
+                                    let mut c = c.clone();
+                                    c["index"] = json!(k);
+                                    c
+                                }).collect::<Vec<_>>() },
+                                "logprobs": chat_logprobs(&text, &g.tokens, &g.logprobs),
+                                "finish_reason": null,
+                                "token_ids": g.tokens,
+                            }]),
+                        ));
+                        if finish_reason == "stop" {
+                            finish_reason = "tool_calls";
+                        }
+                    } else {
+                        let pieces = token_pieces(&text, &g.tokens, &finished.content);
+                        for ((piece, &id), &lp) in pieces.iter().zip(&g.tokens).zip(&g.logprobs) {
+                            let _ = out.send(chat_chunk(
+                                &meta,
+                                json!([{
+                                    "index": i,
+                                    "delta": { "content": piece },
+                                    "logprobs": chat_logprobs(&text, &[id], &[lp]),
+                                    "finish_reason": null,
+                                    "token_ids": [id],
+                                }]),
+                            ));
+                        }
+                    }
+                    let _ = out.send(chat_chunk(
+                        &meta,
+                        json!([{ "index": i, "delta": {}, "logprobs": null, "finish_reason": finish_reason }]),
+                    ));
+                    generations.push(g);
+                }
+                Event::Done => {
+                    if meta.include_usage {
+                        let mut last: Value =
+                            serde_json::from_str(&chat_chunk(&meta, json!([]))).expect("JSON");
+                        last["usage"] = usage(prompt.len(), &generations);
+                        let _ = out.send(last.to_string());
+                    }
+                    let _ = out.send("[DONE]".to_string());
+                    return;
+                }
+                Event::Failed(status, message) => {
+                    let _ = out.send(stream_error(status, &message));
+                    return;
+                }
+            }
+        }
+        let _ = out.send(stream_error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "the engine stopped before the samples were done",
+        ));
+    });
+    chunks
+}
+
+/// The chunks of a streamed completion: one per token of each choice as it finishes,
+/// then a finish chunk.
+fn completion_stream(
+    text: Arc<Text>,
+    meta: Meta,
+    prompt: Vec<u32>,
+    mut receiver: tokio::sync::mpsc::UnboundedReceiver<Event>,
+) -> tokio::sync::mpsc::UnboundedReceiver<String> {
+    let (out, chunks) = tokio::sync::mpsc::unbounded_channel();
+    let chunk = |meta: &Meta, choices: Value| {
+        json!({
+            "id": meta.id,
+            "object": "text_completion",
+            "created": meta.created,
+            "model": meta.model,
+            "choices": choices,
+        })
+    };
+    tokio::spawn(async move {
+        let mut generations = Vec::new();
+        let mut first = true;
+        while let Some(event) = receiver.recv().await {
+            match event {
+                Event::Generation(g) => {
+                    let i = g.sample_index;
+                    let finished = finish(&text, &g);
+                    let pieces = token_pieces(&text, &g.tokens, &finished.content);
+                    let mut offset = 0;
+                    for ((piece, &id), &lp) in pieces.iter().zip(&g.tokens).zip(&g.logprobs) {
+                        let mut c = chunk(
+                            &meta,
+                            json!([{
+                                "index": i,
+                                "text": piece,
+                                "logprobs": completion_logprobs(&text, &[id], &[lp], offset),
+                                "finish_reason": null,
+                                "token_ids": [id],
+                            }]),
+                        );
+                        if first {
+                            c["prompt_token_ids"] = json!(prompt);
+                            first = false;
+                        }
+                        offset += piece.len();
+                        let _ = out.send(c.to_string());
+                    }
+                    let _ = out.send(
+                        chunk(
+                            &meta,
+                            json!([{ "index": i, "text": "", "logprobs": null, "finish_reason": finished.finish_reason }]),
+                        )
+                        .to_string(),
+                    );
+                    generations.push(g);
+                }
+                Event::Done => {
+                    if meta.include_usage {
+                        let mut last = chunk(&meta, json!([]));
+                        last["usage"] = usage(prompt.len(), &generations);
+                        let _ = out.send(last.to_string());
+                    }
+                    let _ = out.send("[DONE]".to_string());
+                    return;
+                }
+                Event::Failed(status, message) => {
+                    let _ = out.send(stream_error(status, &message));
+                    return;
+                }
+            }
+        }
+        let _ = out.send(stream_error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "the engine stopped before the samples were done",
+        ));
+    });
+    chunks
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hermes_tool_calls_parse_with_the_content_before_them() {
+        let (content, calls) = parse_tool_calls(
+            "Let me look.\n<tool_call>\n{\"name\": \"run_sql\", \"arguments\": {\"q\": \"SELECT 1\"}}\n</tool_call>",
+        )
+        .unwrap();
+        assert_eq!(content.as_deref(), Some("Let me look."));
+        assert_eq!(calls[0]["function"]["name"], "run_sql");
+        assert_eq!(calls[0]["function"]["arguments"], "{\"q\":\"SELECT 1\"}");
+        assert!(parse_tool_calls("no calls here").is_none());
+        assert!(parse_tool_calls("<tool_call>not json</tool_call>").is_none());
+    }
+}
