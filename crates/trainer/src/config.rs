@@ -905,7 +905,15 @@ impl Config {
             ));
         }
         let micro = t.micro_train_batch_size_per_gpu;
-        let mini_sequences = mini * g.n_samples_per_prompt;
+        let mini_sequences = mini.checked_mul(g.n_samples_per_prompt);
+        if mini_sequences.is_none() {
+            problems.push(format!(
+                "trainer.policy_mini_batch_size × generator.n_samples_per_prompt ({mini} × {}) \
+                 overflows; use sizes that fit in memory",
+                g.n_samples_per_prompt
+            ));
+        }
+        let mini_sequences = mini_sequences.unwrap_or(0);
         if t.max_tokens_per_microbatch == -1
             && micro > 0
             && mini_sequences > 0
@@ -1226,10 +1234,18 @@ impl Config {
     }
 }
 
-/// The divisors of `total` closest to `wanted`, for "pick a divisor such as …" hints.
+/// The divisors of `total` closest to `wanted`, for "pick a divisor such as …" hints. The
+/// search looks at most [`DIVISOR_SEARCH`] numbers each way, so a huge prime `total` cannot
+/// stall validation; `1` always divides.
 fn nearest_divisors(total: usize, wanted: usize) -> String {
-    let below = (1..=wanted.min(total)).rev().find(|d| total % d == 0);
-    let above = (wanted..=total).find(|d| total % d == 0);
+    const DIVISOR_SEARCH: usize = 100_000;
+    let below = (1..=wanted.min(total))
+        .rev()
+        .take(DIVISOR_SEARCH)
+        .find(|d| total % d == 0);
+    let above = (wanted..=total)
+        .take(DIVISOR_SEARCH)
+        .find(|d| total % d == 0);
     match (below, above) {
         (Some(b), Some(a)) if a != b => format!("{b} or {a}"),
         (Some(d), _) | (None, Some(d)) => d.to_string(),
