@@ -34,7 +34,9 @@ use crate::eval::{evaluate, write_records, EvalSpec, EVALS_DIR};
 use crate::outputs::metrics::MetricsSink;
 use crate::outputs::report::{self, Sample, SAMPLES_FILE};
 use crate::rollout::{engine_sampling_params, Rollouts};
-use crate::setup::{engine_options, labelled_rows, model_setup};
+use crate::setup::{
+    check_checkpoint_space, checkpoint_bytes, engine_options, labelled_rows, model_setup,
+};
 use crate::sft::{run_sft, sft_examples};
 use floe_engine::{AnyLocalEngine, Engine};
 use step::{uses_reference, StepSettings};
@@ -119,6 +121,8 @@ pub fn train_with_registry(config: &Config, registry: Registry) -> Result<RunOut
         };
         return run_loop(&mut engine, config, inputs);
     }
+    // Hours of training must not end at a checkpoint the disk cannot hold.
+    check_checkpoint_space(config, checkpoint_bytes(config)?)?;
     let setup = model_setup(config, &run_dir, &train_rows, fresh)?;
     let opening = Instant::now();
     let mut engine = AnyLocalEngine::open(
@@ -371,6 +375,9 @@ struct Run<'a, E: Engine> {
     total_steps: u64,
     /// `trainer.logger` includes the console.
     console: bool,
+    /// Disk bytes of one checkpoint of a local engine, checked before each is written
+    /// (`None` for a remote engine, whose state stays on its server).
+    checkpoint_bytes: Option<u64>,
 }
 
 impl<'a, E: Engine> Run<'a, E> {
@@ -425,6 +432,10 @@ impl<'a, E: Engine> Run<'a, E> {
             sink,
             total_steps,
             console,
+            checkpoint_bytes: match config.engine.remote {
+                Some(_) => None,
+                None => Some(checkpoint_bytes(config)?),
+            },
         })
     }
 
@@ -504,6 +515,9 @@ impl<'a, E: Engine> Run<'a, E> {
     fn checkpoint_on_interval(&mut self, step: u64) -> Result<()> {
         let t = &self.config.trainer;
         if step == self.total_steps || on_interval(step, t.ckpt_interval) {
+            if let Some(bytes) = self.checkpoint_bytes {
+                check_checkpoint_space(self.config, bytes)?;
+            }
             save_checkpoint(self.engine, &t.run_dir, &self.state, t.max_ckpts_to_keep)?;
         }
         Ok(())

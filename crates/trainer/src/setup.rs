@@ -12,6 +12,7 @@ use floe_model::embedded::{
     embedded_model, is_embedded, over_embedded_tokenizer, train_embedded_tokenizer,
     UnknownEmbeddedModel, EMBEDDED_PREFIX, EMBEDDED_VOCAB_SIZE,
 };
+use floe_model::lora::adapter_specs;
 use floe_model::tokenizer::Tokenizer;
 use floe_model::ModelConfig;
 
@@ -219,6 +220,83 @@ fn embedded_tokenizer(run_dir: &Path, rows: &[Row], labelled: &[bool]) -> Result
 /// or a folder's `config.json`) with a device budget of `engine.memory_fraction` of
 /// `device_bytes` (`None`: the CPU).
 pub fn memory_plan(config: &Config, device_bytes: Option<usize>) -> Result<MemoryPlan> {
+    let model = planned_model(config)?;
+    let options = engine_options(config);
+    let lora = config.model.lora.adapters(config.trainer.seed);
+    Ok(MemoryPlan::new(&PlanInputs {
+        model: &model,
+        base_resident: false,
+        lora: lora.as_ref(),
+        device: options.device,
+        placement: options.optimizer_placement,
+        recompute: options.recompute,
+        max_tokens_per_microbatch: options.max_tokens_per_microbatch,
+        budget_bytes: device_bytes.map(|bytes| (bytes as f64 * options.memory_fraction) as usize),
+        reserved_by_others: 0,
+    }))
+}
+
+/// Room a checkpoint's trainer state, metrics and tokenizer may take beyond the engine's.
+const CHECKPOINT_SLACK_BYTES: u64 = 64 << 20;
+
+/// Bytes one checkpoint of a local run takes on disk: the f32 weights (for LoRA, the
+/// adapters) and their two AdamW moments, plus slack for the trainer's own files.
+pub fn checkpoint_bytes(config: &Config) -> Result<u64> {
+    let model = planned_model(config)?;
+    let (weights, trained) = match config.model.lora.adapters(config.trainer.seed) {
+        Some(lora) => {
+            let adapters: usize = adapter_specs(&model, &lora)
+                .iter()
+                .map(|(_, shape)| shape.iter().product::<usize>())
+                .sum();
+            (adapters, adapters)
+        }
+        None => (model.num_parameters(), model.num_parameters()),
+    };
+    Ok(4 * weights as u64 + 8 * trained as u64 + CHECKPOINT_SLACK_BYTES)
+}
+
+/// Refuses to write a checkpoint of `bytes` where the run directory's file system has
+/// less free space, naming the numbers and the knobs (a full disk mid-write would end
+/// the run with a half-written checkpoint after hours of training).
+pub fn check_checkpoint_space(config: &Config, bytes: u64) -> Result<()> {
+    let run_dir = &config.trainer.run_dir;
+    let Some(free) = free_bytes(run_dir) else {
+        return Ok(());
+    };
+    if free >= bytes {
+        return Ok(());
+    }
+    let gb = |b: u64| b as f64 / 1e9;
+    Err(Error::Checkpoint {
+        path: run_dir.clone(),
+        message: format!(
+            "a checkpoint of this run takes {:.2} GB (f32 weights and AdamW moments) but the \
+             run directory's disk has {:.2} GB free; free space there, point trainer.run_dir \
+             at a larger disk, keep fewer checkpoints (trainer.max_ckpts_to_keep), or train \
+             LoRA adapters (model.lora.rank), whose checkpoints hold only the adapters",
+            gb(bytes),
+            gb(free)
+        ),
+    })
+}
+
+/// Free bytes of the file system holding `dir` for an unprivileged writer; `None` where
+/// that cannot be known.
+#[cfg(unix)]
+fn free_bytes(dir: &Path) -> Option<u64> {
+    let stat = rustix::fs::statvfs(dir).ok()?;
+    Some(stat.f_bavail.saturating_mul(stat.f_frsize))
+}
+
+#[cfg(not(unix))]
+fn free_bytes(_dir: &Path) -> Option<u64> {
+    None
+}
+
+/// The shape a run's model will have: an embedded shape over the embedded vocabulary, or
+/// a folder's `config.json`.
+fn planned_model(config: &Config) -> Result<ModelConfig> {
     let path = &config.model.path;
     let model = match path.strip_prefix(EMBEDDED_PREFIX) {
         Some(name) => {
@@ -236,17 +314,5 @@ pub fn memory_plan(config: &Config, device_bytes: Option<usize>) -> Result<Memor
             model
         }
     };
-    let options = engine_options(config);
-    let lora = config.model.lora.adapters(config.trainer.seed);
-    Ok(MemoryPlan::new(&PlanInputs {
-        model: &model,
-        base_resident: false,
-        lora: lora.as_ref(),
-        device: options.device,
-        placement: options.optimizer_placement,
-        recompute: options.recompute,
-        max_tokens_per_microbatch: options.max_tokens_per_microbatch,
-        budget_bytes: device_bytes.map(|bytes| (bytes as f64 * options.memory_fraction) as usize),
-        reserved_by_others: 0,
-    }))
+    Ok(model)
 }

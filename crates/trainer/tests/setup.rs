@@ -153,3 +153,37 @@ fn every_recipe_validates_8b_fits_an_80_gb_card_with_a_host_optimizer_and_32b_lo
         .to_string();
     assert!(err.contains("model.lora.rank"), "{err}");
 }
+
+#[test]
+fn a_checkpoint_the_disk_cannot_hold_is_refused_naming_the_numbers_and_knobs() {
+    use floe_trainer::setup::{check_checkpoint_space, checkpoint_bytes};
+    let dir = tempfile::tempdir().unwrap();
+    let load = |extra: &[&str]| {
+        let mut overrides = vec![
+            format!("trainer.run_dir={}", dir.path().display()),
+            "model.path=embedded:32B".to_string(),
+        ];
+        overrides.extend(extra.iter().map(|s| s.to_string()));
+        floe_trainer::Config::load(None, &overrides).unwrap()
+    };
+    // Every parameter (31.2B outside the embeddings, whose vocabulary is the embedded
+    // one's 1024 ids) in f32 with two f32 moments: 12 bytes each.
+    let full = load(&[]);
+    let params = 31_206_298_624u64 + 2 * 1024 * 5120;
+    assert_eq!(checkpoint_bytes(&full).unwrap(), 12 * params + (64 << 20));
+    // A LoRA checkpoint holds the adapters alone (268M values at rank 32: 3.3 GB).
+    let lora = load(&["model.lora.rank=32"]);
+    assert!(checkpoint_bytes(&lora).unwrap() * 100 < checkpoint_bytes(&full).unwrap());
+    check_checkpoint_space(&full, 1).unwrap();
+    let err = check_checkpoint_space(&full, u64::MAX / 4)
+        .unwrap_err()
+        .to_string();
+    for knob in [
+        "trainer.run_dir",
+        "trainer.max_ckpts_to_keep",
+        "model.lora.rank",
+        "GB free",
+    ] {
+        assert!(err.contains(knob), "{knob}: {err}");
+    }
+}
