@@ -729,7 +729,13 @@ fn keep_samples_up_to(run_dir: &Path, step: u64) -> Result<()> {
         .filter(|line| serde_json::from_str::<Sample>(line).is_ok_and(|sample| sample.step <= step))
         .map(|line| format!("{line}\n"))
         .collect();
-    std::fs::write(&path, kept).map_err(|source| Error::Io { path, source })
+    // Through a sibling and a rename: a run killed while resuming keeps the old file whole.
+    let partial = run_dir.join(format!("{SAMPLES_FILE}.partial"));
+    std::fs::write(&partial, kept).map_err(|source| Error::Io {
+        path: partial.clone(),
+        source,
+    })?;
+    std::fs::rename(&partial, &path).map_err(|source| Error::Io { path, source })
 }
 
 /// The console line of a finished step.
