@@ -184,6 +184,52 @@ fn chat_tokens_and_logprobs_equal_what_asample_draws() {
     }
 }
 
+/// A training model's id samples its current weights: after an optimizer step the same
+/// seed gives other log-probs, still equal to what `asample` draws from the model's
+/// sampling session.
+#[test]
+fn a_training_model_id_samples_its_current_policy() {
+    let dir = tempfile::tempdir().unwrap();
+    let addr = start(config(dir.path()));
+    let (_, model_id) = create_model(addr);
+    let saved = post_json(
+        addr,
+        "save_weights_for_sampler",
+        &json!({"model_id": model_id, "seq_id": 1, "sampling_session_seq_id": 0}),
+    );
+    let sampler_id = retrieve(addr, &request_id(&saved)).json()["sampling_session_id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let sample = |seed: u64| {
+        let reply = ok(&post_v1(
+            addr,
+            "chat/completions",
+            &chat_body(&model_id, 1, seed),
+        ));
+        let choice = &reply["choices"][0];
+        let prompt = ids(&reply["prompt_token_ids"]);
+        let drawn = asample(addr, &sampler_id, &prompt, 1, 12, seed);
+        let got = (ids(&choice["token_ids"]), chat_logprobs(choice));
+        assert_eq!(got, drawn[0]);
+        got
+    };
+    let before = sample(7);
+    let step = request_id(&post_proto(
+        addr,
+        "forward_backward",
+        &fwdbwd_body(&model_id, 2, false),
+    ));
+    assert_eq!(retrieve(addr, &step).status, 200);
+    let step = request_id(&post_json(addr, "optim_step", &optim_body(&model_id, 3)));
+    assert_eq!(retrieve(addr, &step).status, 200);
+    let after = sample(7);
+    assert_ne!(
+        before, after,
+        "the optimizer step did not reach the endpoint"
+    );
+}
+
 #[test]
 fn streamed_chat_gives_the_same_tokens_logprobs_and_text() {
     let dir = tempfile::tempdir().unwrap();
@@ -321,6 +367,21 @@ fn a_stop_string_ends_the_choice_before_it() {
     let cut_tokens = ids(&choice["token_ids"]);
     assert!(cut_tokens.len() < free_tokens.len());
     assert_eq!(cut_tokens[..], free_tokens[..cut_tokens.len()]);
+    // Streamed, the pieces add up to the same cut text and tokens.
+    let mut streaming = body(Some(&stop));
+    streaming["stream"] = json!(true);
+    let (mut text, mut tokens) = (String::new(), Vec::new());
+    for event in events(&post_v1(addr, "completions", &streaming)) {
+        if event == "[DONE]" {
+            continue;
+        }
+        let chunk: Value = serde_json::from_str(&event).unwrap();
+        text.push_str(chunk["choices"][0]["text"].as_str().unwrap());
+        if let Some(t) = chunk["choices"][0].get("token_ids") {
+            tokens.extend(ids(t));
+        }
+    }
+    assert_eq!((text.as_str(), tokens), (expected, cut_tokens));
 }
 
 fn assert_openai_error(reply: &Reply, status: u16, needle: &str) {
