@@ -598,7 +598,16 @@ fn read_jsonl_objects(path: &Path) -> Result<Vec<LocatedObject>, DatasetError> {
     let mut objects = Vec::new();
     for (i, line) in BufReader::new(file).lines().enumerate() {
         let at = Location::Line(i + 1);
-        let line = line.map_err(|cause| io_err(path, cause))?;
+        let line = line.map_err(|cause| match cause.kind() {
+            // The reader's own error names neither the line nor what is wrong with it.
+            std::io::ErrorKind::InvalidData => DatasetError::InvalidValue {
+                path: path.to_path_buf(),
+                at,
+                key: "(line)".into(),
+                problem: "is not valid UTF-8 text".into(),
+            },
+            _ => io_err(path, cause),
+        })?;
         if line.trim().is_empty() {
             continue;
         }
