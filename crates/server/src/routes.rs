@@ -574,6 +574,7 @@ fn save_job(
             ));
         }
         let saved = std::fs::create_dir_all(&dir)
+            .and_then(|()| CheckpointMeta::unmark(&dir))
             .map_err(|e| e.to_string())
             .and_then(|()| engine.save_state(&dir).map_err(|e| e.to_string()))
             .and_then(|()| meta.write(&dir).map_err(|e| e.to_string()));

@@ -16,12 +16,10 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
 use crate::error::ApiError;
-use crate::state::{TinkerPath, WeightsKind};
+use crate::state::{TinkerPath, WeightsKind, META_FILE};
 
 /// File of a [`RunRecord`] in its run folder.
 const RUN_FILE: &str = "floe-run.json";
-/// File that marks a finished checkpoint folder (written last by a save).
-const CHECKPOINT_META_FILE: &str = "floe-serve.json";
 
 /// What a run records about itself when its model is created.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -200,8 +198,8 @@ pub fn list_checkpoints(data_dir: &Path, run_id: &str) -> Result<Vec<CheckpointI
             let Ok(name) = entry.file_name().into_string() else {
                 continue;
             };
-            let Ok(time) = std::fs::metadata(entry.path().join(CHECKPOINT_META_FILE))
-                .and_then(|meta| meta.modified())
+            let Ok(time) =
+                std::fs::metadata(entry.path().join(META_FILE)).and_then(|meta| meta.modified())
             else {
                 continue;
             };

@@ -426,14 +426,27 @@ pub struct CheckpointMeta {
     pub model_id: String,
 }
 
-/// File of [`CheckpointMeta`] in a checkpoint folder.
-const META_FILE: &str = "floe-serve.json";
+/// File of [`CheckpointMeta`] in a checkpoint folder: written last, so its presence marks
+/// a complete save.
+pub const META_FILE: &str = "floe-serve.json";
 
 impl CheckpointMeta {
-    /// Writes the record into `dir`.
+    /// Writes the record into `dir` (through a sibling and a rename: never half a file).
     pub fn write(&self, dir: &Path) -> std::io::Result<()> {
         let text = serde_json::to_vec_pretty(self).map_err(std::io::Error::other)?;
-        std::fs::write(dir.join(META_FILE), text)
+        let partial = dir.join(format!("{META_FILE}.partial"));
+        std::fs::write(&partial, text)?;
+        std::fs::rename(partial, dir.join(META_FILE))
+    }
+
+    /// Marks `dir` as a save in progress before it is overwritten, so a save killed
+    /// midway leaves a folder that reads as unfinished, never old and new files mixed
+    /// under the old record.
+    pub fn unmark(dir: &Path) -> std::io::Result<()> {
+        match std::fs::remove_file(dir.join(META_FILE)) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
+            _ => Ok(()),
+        }
     }
 
     /// Reads the record of `dir`; a missing folder is a 404 naming `path`.
