@@ -91,7 +91,7 @@ fn a_wrong_api_key_is_refused_with_the_servers_reason() {
     assert!(!output.status.success());
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(
-        stderr.contains("HTTP 401") && stderr.contains("X-API-Key is not accepted"),
+        stderr.contains("HTTP 401") && stderr.contains("is not accepted by this server"),
         "{stderr}"
     );
 }
