@@ -680,6 +680,10 @@ impl<B: Backend> Engine for LocalEngine<B> {
                     clip_high_threshold: *clip_high_threshold,
                     beta: *beta,
                 };
+                // A client's values: refused as its mistake before any compute.
+                config
+                    .validate()
+                    .map_err(|e| Error::InvalidRequest(e.to_string()))?;
                 self.forward_backward_tinker(groups, *loss, &config, logit_scale)
             }
         };

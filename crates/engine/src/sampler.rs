@@ -46,6 +46,10 @@ use serde::{Deserialize, Serialize};
 use crate::kv_blocks::{BlockManager, BlockTable};
 use crate::stop::{Stop, StopConditions, StopReason};
 
+/// Most samples one request may ask for: beyond it, a typo or a hostile client would keep
+/// the engine busy for good (a GRPO group is 8 to 64).
+pub const MAX_SAMPLES_PER_REQUEST: usize = 1 << 14;
+
 /// A model that runs a packed list of new tokens against a paged KV cache.
 ///
 /// `forward_cached` writes the keys and values of every token of `input` at its slot
@@ -445,6 +449,13 @@ impl<M: CachedModel> Sampler<M> {
         if request.n == 0 {
             return Err(invalid("n is 0; ask for at least one sample".into()));
         }
+        if request.n > MAX_SAMPLES_PER_REQUEST {
+            return Err(invalid(format!(
+                "n is {}, above the {MAX_SAMPLES_PER_REQUEST} samples one request may ask \
+                 for; split it into several requests",
+                request.n
+            )));
+        }
         if params.max_new_tokens == 0 {
             return Err(invalid("max_new_tokens is 0".into()));
         }
@@ -473,7 +484,7 @@ impl<M: CachedModel> Sampler<M> {
         }
         // The last generated token is never fed back, so a sample occupies at most
         // prompt + max_new_tokens - 1 positions.
-        let positions = request.prompt.len() + params.max_new_tokens - 1;
+        let positions = request.prompt.len().saturating_add(params.max_new_tokens) - 1;
         let needed = self.blocks.blocks_for(positions);
         if needed > self.blocks.num_blocks() {
             return Err(invalid(format!(

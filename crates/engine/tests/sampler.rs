@@ -458,6 +458,10 @@ fn unservable_requests_are_rejected() {
     assert!(reject(&mut sampler, request(1, 10, 1, 8)).contains("KV blocks"));
     assert!(reject(&mut sampler, request(1, 0, 1, 8)).contains("empty"));
     assert!(reject(&mut sampler, request(1, 3, 0, 8)).contains("n is 0"));
+    // Sizes a client could never mean are refused at once, not run for ever.
+    let huge_n = request(1, 3, floe_engine::sampler::MAX_SAMPLES_PER_REQUEST + 1, 8);
+    assert!(reject(&mut sampler, huge_n).contains("split it"));
+    assert!(reject(&mut sampler, request(1, 3, 1, usize::MAX)).contains("KV blocks"));
     let mut bad = request(1, 3, 1, 8);
     bad.prompt[0] = VOCAB as u32;
     assert!(reject(&mut sampler, bad).contains("vocabulary"));

@@ -106,19 +106,31 @@ impl TinkerLossConfig {
                 }
             }
         }
-        if !(config.beta.is_finite() && config.beta >= 0.0) {
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Checks the values, whichever way they came: ratio bounds that are numbers with
+    /// `low <= high`, and a finite non-negative `beta`.
+    pub fn validate(&self) -> Result<(), RlError> {
+        let (low, high) = (self.clip_low_threshold, self.clip_high_threshold);
+        if low.is_nan() || high.is_nan() {
+            return Err(RlError::Input(format!(
+                "clip thresholds must be numbers, not {low} and {high}"
+            )));
+        }
+        if low > high {
+            return Err(RlError::Input(format!(
+                "clip_low_threshold {low} is above clip_high_threshold {high}"
+            )));
+        }
+        if !(self.beta.is_finite() && self.beta >= 0.0) {
             return Err(RlError::Input(format!(
                 "loss_fn_config beta {} is not a finite non-negative number",
-                config.beta
+                self.beta
             )));
         }
-        if config.clip_low_threshold > config.clip_high_threshold {
-            return Err(RlError::Input(format!(
-                "clip_low_threshold {} is above clip_high_threshold {}",
-                config.clip_low_threshold, config.clip_high_threshold
-            )));
-        }
-        Ok(config)
+        Ok(())
     }
 }
 
@@ -145,6 +157,7 @@ pub fn tinker_loss(
     config: &TinkerLossConfig,
     inputs: &TinkerInputs,
 ) -> Result<LossOutput, RlError> {
+    config.validate()?;
     let n: usize = inputs.seq_lens.iter().sum();
     let check = |name: &str, slice: Option<&[f64]>| -> Result<(), RlError> {
         match slice {

@@ -1,5 +1,6 @@
-//! Issue 20: every route of `floe serve` fed random bytes and valid requests with one
-//! field replaced by a random JSON value, dropped, or (protobuf) with its bytes mangled.
+//! Issue 20: every route of `floe serve`, Tinker and native, fed random bytes and valid
+//! requests with one field replaced by a random JSON value, dropped, or (protobuf) with
+//! its bytes mangled.
 //! Each answer is an HTTP status below 500 carrying a `detail` that says what is wrong,
 //! never a panic or a server error, and the server still trains afterwards.
 
@@ -34,14 +35,25 @@ const JSON_ROUTES: &[&str] = &[
     "weights_info",
 ];
 
+/// Verbs of floe's native API (`/floe/v1/engines/{id}/VERB`) that take a JSON body.
+const NATIVE_VERBS: &[&str] = &[
+    "sample",
+    "forward",
+    "forward_backward",
+    "forward_backward_policy",
+    "optim_step",
+    "load_state",
+];
+
 /// One server for every case, with a session, a LoRA model on the tiny base with saved
-/// weights `fuzz`, a sampling session and a finished request.
+/// weights `fuzz`, a sampling session, a finished request and a native engine.
 struct Fixture {
     addr: SocketAddr,
     session_id: String,
     model_id: String,
     sampler_id: String,
     finished_request: String,
+    engine_id: String,
 }
 
 fn fixture() -> &'static Fixture {
@@ -64,12 +76,16 @@ fn fixture() -> &'static Fixture {
             .as_str()
             .unwrap()
             .to_string();
+        let engine = post_native(addr, "/engines", &json!({"model": {"base_model": BASE_MODEL}}));
+        assert_eq!(engine.status, 200, "{}", String::from_utf8_lossy(&engine.body));
+        let engine_id = engine.json()["engine_id"].as_str().unwrap().to_string();
         Fixture {
             addr,
             session_id,
             model_id,
             sampler_id,
             finished_request,
+            engine_id,
         }
     })
 }
@@ -115,6 +131,61 @@ fn template(route: &str, f: &Fixture) -> Value {
             "prev_cursor": 0, "timeout": 0.0
         }),
         "weights_info" => json!({"tinker_path": path}),
+        _ => json!({}),
+    }
+}
+
+/// POSTs JSON to a native route (`path` under `/floe/v1`) with the test key.
+fn post_native(addr: SocketAddr, path: &str, body: &Value) -> Reply {
+    request(
+        addr,
+        "POST",
+        &format!("/floe/v1{path}"),
+        &[("X-API-Key", KEY), ("Content-Type", "application/json")],
+        body.to_string().as_bytes(),
+    )
+}
+
+/// The route of a [`NATIVE_VERBS`] entry (two bodies share `forward_backward`).
+fn native_route(verb: &str) -> &str {
+    verb.strip_suffix("_policy").unwrap_or(verb)
+}
+
+/// A valid body of each native verb in [`NATIVE_VERBS`] (the optimizer's rate 0, so the
+/// engine's weights never change).
+fn native_template(verb: &str) -> Value {
+    let response = json!({
+        "tokens": [13, 14], "loss_mask": [1.0, 1.0], "advantages": [0.5, -0.5],
+        "old_logprobs": [-1.0, -1.0], "rollout_logprobs": null, "ref_logprobs": null
+    });
+    match verb {
+        "sample" => json!({"requests": [{
+            "id": 1, "prompt": [11, 12], "n": 2,
+            "params": {"temperature": 1.0, "max_new_tokens": 3, "seed": 5}
+        }]}),
+        "forward" => json!({
+            "groups": [{"prompt": [11, 12], "responses": [[13, 14], [15]]}],
+            "weights": "Policy", "temperature": 1.0
+        }),
+        "forward_backward_policy" => json!({
+            "groups": [{"prompt": [11, 12], "responses": [response]}],
+            "loss": {"Policy": {
+                "policy_loss_type": "regular", "eps_clip_low": 0.2, "eps_clip_high": 0.28,
+                "clip_ratio_c": 3.0, "loss_reduction": "token_mean", "use_kl_loss": false,
+                "entropy_coeff": 0.0, "max_seq_len": 64
+            }},
+            "temperature": 1.0
+        }),
+        "forward_backward" => json!({
+            "groups": [{"prompt": [11, 12], "responses": [response]}],
+            "loss": {"Tinker": {"loss": "ppo", "clip_low_threshold": 0.8, "clip_high_threshold": 1.2}},
+            "temperature": 1.0
+        }),
+        "optim_step" => json!({
+            "lr": 0.0, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.0,
+            "max_grad_norm": 1.0
+        }),
+        "load_state" => json!({"state_id": "state-none"}),
         _ => json!({}),
     }
 }
@@ -266,6 +337,60 @@ proptest! {
             body.truncate(cut.index(body.len()));
         }
         assert_handled(&post_proto(f.addr, "forward_backward", &body), "protobuf forward_backward");
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig {
+        cases: 128,
+        failure_persistence: None,
+        ..ProptestConfig::default()
+    })]
+
+    #[test]
+    fn native_verbs_answer_random_and_mutated_bodies_cleanly(
+        verb in prop::sample::select(NATIVE_VERBS),
+        which in any::<Index>(),
+        new in prop::option::weighted(0.8, json_value()),
+        bytes in prop::option::weighted(0.2, prop::collection::vec(any::<u8>(), 0..256)),
+    ) {
+        let f = fixture();
+        let path = format!("/engines/{}/{}", f.engine_id, native_route(verb));
+        let reply = match bytes {
+            Some(bytes) => request(
+                f.addr,
+                "POST",
+                &format!("/floe/v1{path}"),
+                &[("X-API-Key", KEY), ("Content-Type", "application/json")],
+                &bytes,
+            ),
+            None => {
+                let body = native_template(verb);
+                let mut all = Vec::new();
+                paths(&body, &mut Vec::new(), &mut all);
+                let path_in_body = which.get(&all).clone();
+                post_native(f.addr, &path, &mutate(body, &path_in_body, new))
+            }
+        };
+        assert_handled(&reply, &path);
+    }
+}
+
+#[test]
+fn the_unchanged_native_bodies_are_accepted() {
+    let f = fixture();
+    for verb in NATIVE_VERBS.iter().filter(|v| **v != "load_state") {
+        let reply = post_native(
+            f.addr,
+            &format!("/engines/{}/{}", f.engine_id, native_route(verb)),
+            &native_template(verb),
+        );
+        assert_eq!(
+            reply.status,
+            200,
+            "{verb}: {}",
+            String::from_utf8_lossy(&reply.body)
+        );
     }
 }
 
