@@ -994,83 +994,30 @@ fn stream_error(status: StatusCode, message: &str) -> String {
     error_body(status, message, None, None).to_string()
 }
 
-/// The chunks of a streamed chat completion: for each choice as it finishes, a role
-/// chunk, one chunk per token (with its log-prob and id), and a finish chunk.
-fn chat_stream(
-    text: Arc<Text>,
+/// Runs a stream: each choice is sent by `send_choice` as it finishes (`first` holds the
+/// prompt's ids for the stream's first chunk to carry), then, when every choice is done,
+/// the usage chunk if asked for (built on `empty_chunk`) and `[DONE]`; an engine failure
+/// ends the stream with an error chunk.
+fn stream_choices(
     meta: Meta,
     prompt: Vec<u32>,
     mut receiver: tokio::sync::mpsc::UnboundedReceiver<Event>,
+    empty_chunk: fn(&Meta) -> Value,
+    mut send_choice: impl FnMut(&Meta, &Generation, &mut Option<&[u32]>, &Sender) + Send + 'static,
 ) -> tokio::sync::mpsc::UnboundedReceiver<String> {
     let (out, chunks) = tokio::sync::mpsc::unbounded_channel();
     tokio::spawn(async move {
         let mut generations = Vec::new();
-        let mut first = true;
+        let mut first = Some(prompt.as_slice());
         while let Some(event) = receiver.recv().await {
             match event {
                 Event::Generation(g) => {
-                    let i = g.sample_index;
-                    let mut head: Value = serde_json::from_str(&chat_chunk(
-                        &meta,
-                        json!([{ "index": i, "delta": { "role": "assistant", "content": "" }, "logprobs": null, "finish_reason": null }]),
-                    ))
-                    .expect("a chunk is JSON");
-                    if first {
-                        head["prompt_token_ids"] = json!(prompt);
-                        first = false;
-                    }
-                    let _ = out.send(head.to_string());
-                    let finished = finish(&text, &g);
-                    let mut finish_reason = finished.finish_reason;
-                    let calls = if meta.tools {
-                        parse_tool_calls(&finished.content)
-                    } else {
-                        None
-                    };
-                    if let Some((content, calls)) = calls {
-                        // Tool calls: one delta with the whole message.
-                        let _ = out.send(chat_chunk(
-                            &meta,
-                            json!([{
-                                "index": i,
-                                "delta": { "content": content, "tool_calls": calls.iter().enumerate().map(|(k, c)| {
-                                    let mut c = c.clone();
-                                    c["index"] = json!(k);
-                                    c
-                                }).collect::<Vec<_>>() },
-                                "logprobs": chat_logprobs(&text, &g.tokens, &g.logprobs),
-                                "finish_reason": null,
-                                "token_ids": g.tokens,
-                            }]),
-                        ));
-                        if finish_reason == "stop" {
-                            finish_reason = "tool_calls";
-                        }
-                    } else {
-                        let pieces = token_pieces(&text, &g.tokens, &finished.content);
-                        for ((piece, &id), &lp) in pieces.iter().zip(&g.tokens).zip(&g.logprobs) {
-                            let _ = out.send(chat_chunk(
-                                &meta,
-                                json!([{
-                                    "index": i,
-                                    "delta": { "content": piece },
-                                    "logprobs": chat_logprobs(&text, &[id], &[lp]),
-                                    "finish_reason": null,
-                                    "token_ids": [id],
-                                }]),
-                            ));
-                        }
-                    }
-                    let _ = out.send(chat_chunk(
-                        &meta,
-                        json!([{ "index": i, "delta": {}, "logprobs": null, "finish_reason": finish_reason }]),
-                    ));
+                    send_choice(&meta, &g, &mut first, &out);
                     generations.push(g);
                 }
                 Event::Done => {
                     if meta.include_usage {
-                        let mut last: Value =
-                            serde_json::from_str(&chat_chunk(&meta, json!([]))).expect("JSON");
+                        let mut last = empty_chunk(&meta);
                         last["usage"] = usage(prompt.len(), &generations);
                         let _ = out.send(last.to_string());
                     }
@@ -1091,82 +1038,126 @@ fn chat_stream(
     chunks
 }
 
+/// Where a stream's chunks go.
+type Sender = tokio::sync::mpsc::UnboundedSender<String>;
+
+/// The chunks of a streamed chat completion: for each choice as it finishes, a role
+/// chunk, one chunk per token (with its log-prob and id), and a finish chunk.
+fn chat_stream(
+    text: Arc<Text>,
+    meta: Meta,
+    prompt: Vec<u32>,
+    receiver: tokio::sync::mpsc::UnboundedReceiver<Event>,
+) -> tokio::sync::mpsc::UnboundedReceiver<String> {
+    let empty = |meta: &Meta| serde_json::from_str(&chat_chunk(meta, json!([]))).expect("JSON");
+    stream_choices(meta, prompt, receiver, empty, move |meta, g, first, out| {
+        let i = g.sample_index;
+        let mut head: Value = serde_json::from_str(&chat_chunk(
+            meta,
+            json!([{ "index": i, "delta": { "role": "assistant", "content": "" }, "logprobs": null, "finish_reason": null }]),
+        ))
+        .expect("a chunk is JSON");
+        if let Some(prompt) = first.take() {
+            head["prompt_token_ids"] = json!(prompt);
+        }
+        let _ = out.send(head.to_string());
+        let finished = finish(&text, g);
+        let mut finish_reason = finished.finish_reason;
+        let calls = if meta.tools {
+            parse_tool_calls(&finished.content)
+        } else {
+            None
+        };
+        if let Some((content, calls)) = calls {
+            // Tool calls: one delta with the whole message.
+            let _ = out.send(chat_chunk(
+                meta,
+                json!([{
+                    "index": i,
+                    "delta": { "content": content, "tool_calls": calls.iter().enumerate().map(|(k, c)| {
+                        let mut c = c.clone();
+                        c["index"] = json!(k);
+                        c
+                    }).collect::<Vec<_>>() },
+                    "logprobs": chat_logprobs(&text, &g.tokens, &g.logprobs),
+                    "finish_reason": null,
+                    "token_ids": g.tokens,
+                }]),
+            ));
+            if finish_reason == "stop" {
+                finish_reason = "tool_calls";
+            }
+        } else {
+            let pieces = token_pieces(&text, &g.tokens, &finished.content);
+            for ((piece, &id), &lp) in pieces.iter().zip(&g.tokens).zip(&g.logprobs) {
+                let _ = out.send(chat_chunk(
+                    meta,
+                    json!([{
+                        "index": i,
+                        "delta": { "content": piece },
+                        "logprobs": chat_logprobs(&text, &[id], &[lp]),
+                        "finish_reason": null,
+                        "token_ids": [id],
+                    }]),
+                ));
+            }
+        }
+        let _ = out.send(chat_chunk(
+            meta,
+            json!([{ "index": i, "delta": {}, "logprobs": null, "finish_reason": finish_reason }]),
+        ));
+    })
+}
+
+fn completion_chunk(meta: &Meta, choices: Value) -> Value {
+    json!({
+        "id": meta.id,
+        "object": "text_completion",
+        "created": meta.created,
+        "model": meta.model,
+        "choices": choices,
+    })
+}
+
 /// The chunks of a streamed completion: one per token of each choice as it finishes,
 /// then a finish chunk.
 fn completion_stream(
     text: Arc<Text>,
     meta: Meta,
     prompt: Vec<u32>,
-    mut receiver: tokio::sync::mpsc::UnboundedReceiver<Event>,
+    receiver: tokio::sync::mpsc::UnboundedReceiver<Event>,
 ) -> tokio::sync::mpsc::UnboundedReceiver<String> {
-    let (out, chunks) = tokio::sync::mpsc::unbounded_channel();
-    let chunk = |meta: &Meta, choices: Value| {
-        json!({
-            "id": meta.id,
-            "object": "text_completion",
-            "created": meta.created,
-            "model": meta.model,
-            "choices": choices,
-        })
-    };
-    tokio::spawn(async move {
-        let mut generations = Vec::new();
-        let mut first = true;
-        while let Some(event) = receiver.recv().await {
-            match event {
-                Event::Generation(g) => {
-                    let i = g.sample_index;
-                    let finished = finish(&text, &g);
-                    let pieces = token_pieces(&text, &g.tokens, &finished.content);
-                    let mut offset = 0;
-                    for ((piece, &id), &lp) in pieces.iter().zip(&g.tokens).zip(&g.logprobs) {
-                        let mut c = chunk(
-                            &meta,
-                            json!([{
-                                "index": i,
-                                "text": piece,
-                                "logprobs": completion_logprobs(&text, &[id], &[lp], offset),
-                                "finish_reason": null,
-                                "token_ids": [id],
-                            }]),
-                        );
-                        if first {
-                            c["prompt_token_ids"] = json!(prompt);
-                            first = false;
-                        }
-                        offset += piece.len();
-                        let _ = out.send(c.to_string());
-                    }
-                    let _ = out.send(
-                        chunk(
-                            &meta,
-                            json!([{ "index": i, "text": "", "logprobs": null, "finish_reason": finished.finish_reason }]),
-                        )
-                        .to_string(),
-                    );
-                    generations.push(g);
-                }
-                Event::Done => {
-                    if meta.include_usage {
-                        let mut last = chunk(&meta, json!([]));
-                        last["usage"] = usage(prompt.len(), &generations);
-                        let _ = out.send(last.to_string());
-                    }
-                    let _ = out.send("[DONE]".to_string());
-                    return;
-                }
-                Event::Failed(status, message) => {
-                    let _ = out.send(stream_error(status, &message));
-                    return;
-                }
+    let empty = |meta: &Meta| completion_chunk(meta, json!([]));
+    stream_choices(meta, prompt, receiver, empty, move |meta, g, first, out| {
+        let i = g.sample_index;
+        let finished = finish(&text, g);
+        let pieces = token_pieces(&text, &g.tokens, &finished.content);
+        let mut offset = 0;
+        for ((piece, &id), &lp) in pieces.iter().zip(&g.tokens).zip(&g.logprobs) {
+            let mut c = completion_chunk(
+                meta,
+                json!([{
+                    "index": i,
+                    "text": piece,
+                    "logprobs": completion_logprobs(&text, &[id], &[lp], offset),
+                    "finish_reason": null,
+                    "token_ids": [id],
+                }]),
+            );
+            if let Some(prompt) = first.take() {
+                c["prompt_token_ids"] = json!(prompt);
             }
+            offset += piece.len();
+            let _ = out.send(c.to_string());
         }
-        let _ = out.send(stream_error(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "the engine stopped before the samples were done",
-        ));
-    });
-    chunks
+        let _ = out.send(
+            completion_chunk(
+                meta,
+                json!([{ "index": i, "text": "", "logprobs": null, "finish_reason": finished.finish_reason }]),
+            )
+            .to_string(),
+        );
+    })
 }
 
 #[cfg(test)]
