@@ -210,7 +210,8 @@ impl MemoryPlan {
                 if !recompute {
                     knobs.push(Knob::Recompute);
                 }
-                if placement == OptimizerPlacement::Device {
+                // Adapters' optimizer state is too small for moving it to help.
+                if placement == OptimizerPlacement::Device && !lora {
                     knobs.push(Knob::OffloadOptimizer);
                 }
                 if !lora {
