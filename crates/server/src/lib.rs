@@ -23,6 +23,7 @@ pub mod proto;
 pub mod rest;
 pub mod routes;
 pub mod runs;
+pub mod sample_batch;
 pub mod state;
 pub mod worker;
 
@@ -37,6 +38,7 @@ use axum::Router;
 
 pub use catalog::Catalog;
 pub use keys::ApiKeys;
+pub use sample_batch::SampleBatchLimits;
 pub use state::{Auth, ServerConfig};
 
 use crate::error::ApiError;
@@ -46,10 +48,16 @@ use crate::state::AppState;
 /// Header carrying the client's API key.
 pub const API_KEY_HEADER: &str = "x-api-key";
 
-/// The router of every `/api/v1` route over fresh state.
+/// The router of every route over fresh state, batching samples up to the default
+/// [`SampleBatchLimits`].
 pub fn router(config: ServerConfig) -> Router {
+    router_with_batch_limits(config, SampleBatchLimits::default())
+}
+
+/// [`router`] with engines that batch samples up to `batch_limits`.
+pub fn router_with_batch_limits(config: ServerConfig, batch_limits: SampleBatchLimits) -> Router {
     let max_body = config.max_body_bytes;
-    let app: AppRef = Arc::new(AppState::new(config));
+    let app: AppRef = Arc::new(AppState::new(config, batch_limits));
     spawn_expiry(&app);
     let api = Router::new()
         .route("/client/config", post(routes::client_config))
@@ -119,6 +127,15 @@ pub fn router(config: ServerConfig) -> Router {
 /// Serves [`router`] on `listener` until the process ends. An insecure (keyless) server
 /// must listen on a loopback address.
 pub async fn serve(listener: tokio::net::TcpListener, config: ServerConfig) -> anyhow::Result<()> {
+    serve_with_batch_limits(listener, config, SampleBatchLimits::default()).await
+}
+
+/// [`serve`] with engines that batch samples up to `batch_limits`.
+pub async fn serve_with_batch_limits(
+    listener: tokio::net::TcpListener,
+    config: ServerConfig,
+    batch_limits: SampleBatchLimits,
+) -> anyhow::Result<()> {
     let addr = listener.local_addr()?;
     match &config.auth {
         Auth::InsecureLoopback if !addr.ip().is_loopback() => {
@@ -130,7 +147,7 @@ pub async fn serve(listener: tokio::net::TcpListener, config: ServerConfig) -> a
         _ => {}
     }
     tracing::info!("floe serve listening on http://{addr}/api/v1");
-    axum::serve(listener, router(config)).await?;
+    axum::serve(listener, router_with_batch_limits(config, batch_limits)).await?;
     Ok(())
 }
 

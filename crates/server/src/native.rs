@@ -31,7 +31,7 @@ use floe_engine::native_api::{
 };
 use floe_engine::policy::OptimParams;
 use floe_engine::Error as EngineError;
-use floe_engine::{AnyLocalEngine, ModelSource};
+use floe_engine::{AnyLocalEngine, Generation, ModelSource};
 use floe_engine::{Engine, EngineInfo};
 use floe_model::embedded::embedded_model;
 use floe_model::tokenizer::Tokenizer;
@@ -42,6 +42,7 @@ use crate::catalog::{load_tokenizer, BaseWeights};
 use crate::error::ApiError;
 use crate::futures::{Outcome, Poll};
 use crate::routes::{AppRef, Body};
+use crate::sample_batch::{SampleFailure, SampleJob, SampleSink};
 use crate::state::random_id;
 use crate::worker::{EngineBuilder, Job, Worker};
 
@@ -83,6 +84,7 @@ pub fn router<S: Clone + Send + Sync + 'static>(app: AppRef) -> Router<S> {
     });
     Router::new()
         .route("/info", get(info))
+        .route("/stats", get(stats))
         .route("/engines", post(create_engine))
         .route("/engines/{engine_id}", axum::routing::delete(delete_engine))
         .route("/engines/{engine_id}/sample", post(sample))
@@ -237,6 +239,11 @@ async fn info(State(native): State<NativeRef>) -> Json<ServerInfo> {
     })
 }
 
+/// `GET /floe/v1/stats`: the sample batches the server's engines ran.
+async fn stats(State(native): State<NativeRef>) -> Json<Value> {
+    Json(serde_json::json!({ "sampling": native.app.sample_stats.snapshot() }))
+}
+
 /// What an engine is built from.
 struct Prepared {
     source: ModelSource,
@@ -364,9 +371,8 @@ async fn create_engine(
     let worker = Worker::spawn(
         format!("engine {engine_id}"),
         build,
-        Arc::clone(&native.app.futures),
         Some((loaded, Outcome::Json(Value::Null))),
-        native.app.config.max_queued_per_engine,
+        &native.app.worker_context(),
     )
     .map(Arc::new)
     .map_err(|e| internal("engine thread", e))?;
@@ -431,26 +437,12 @@ async fn sample(
     let request: SampleBody = parse("sample", body)?;
     let engine = native.engine(&engine_id)?;
     let (lines, mut receiver) = tokio::sync::mpsc::unbounded_channel::<Bytes>();
-    let job: Job = Box::new(move |engine| {
-        let send = |event: &SampleEvent| {
-            let mut line = serde_json::to_vec(event).expect("sample events serialise");
-            line.push(b'\n');
-            // A client that hung up no longer reads; sampling still finishes.
-            let _ = lines.send(Bytes::from(line));
-        };
-        match engine.sample(request.requests, &mut |g| send(&SampleEvent::Generation(g))) {
-            Ok(()) => {
-                send(&SampleEvent::Done {});
-                Outcome::Json(Value::Null)
-            }
-            Err(error) => {
-                let error = verb_failed("sample", error).detail;
-                send(&SampleEvent::Error(error.clone()));
-                Outcome::user_error(error)
-            }
-        }
-    });
-    native.app.submit_unordered(&engine.worker, job)?;
+    let job = SampleJob {
+        requests: request.requests,
+        cancel: None,
+        sink: Box::new(NativeSample { lines }),
+    };
+    native.app.submit_sample(&engine.worker, job)?;
     let stream = futures_util::stream::poll_fn(move |cx| {
         receiver
             .poll_recv(cx)
@@ -461,6 +453,40 @@ async fn sample(
         HttpBody::from_stream(stream),
     )
         .into_response())
+}
+
+/// A native `sample` call's stream: a line per generation, then `done` or `error`.
+struct NativeSample {
+    lines: tokio::sync::mpsc::UnboundedSender<Bytes>,
+}
+
+impl NativeSample {
+    fn send(&self, event: &SampleEvent) {
+        let mut line = serde_json::to_vec(event).expect("sample events serialise");
+        line.push(b'\n');
+        // A client that hung up no longer reads; sampling still finishes.
+        let _ = self.lines.send(Bytes::from(line));
+    }
+}
+
+impl SampleSink for NativeSample {
+    fn generation(&mut self, generation: Generation) {
+        self.send(&SampleEvent::Generation(generation));
+    }
+
+    fn finish(self: Box<Self>, result: Result<(), SampleFailure>) -> Outcome {
+        match result {
+            Ok(()) => {
+                self.send(&SampleEvent::Done {});
+                Outcome::Json(Value::Null)
+            }
+            Err(failure) => {
+                let error = format!("sample: {}", failure.message);
+                self.send(&SampleEvent::Error(error.clone()));
+                Outcome::user_error(error)
+            }
+        }
+    }
 }
 
 /// `POST /engines/{id}/forward`.

@@ -27,16 +27,18 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use floe_engine::{Engine, Generation, SampleRequest, SamplingParams, StopReason};
+use floe_engine::{AnyLocalEngine, Engine, Generation, SampleRequest, SamplingParams, StopReason};
 use floe_model::chat_template::ChatTemplate;
 use floe_model::tokenizer::Tokenizer;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
 use crate::error::ApiError;
+use crate::futures::Outcome;
 use crate::routes::{self, AppRef, Body};
+use crate::sample_batch::{SampleFailure, SampleJob, SampleSink};
 use crate::state::{random_id, ModelFacts};
-use crate::worker::{Job, Worker};
+use crate::worker::Worker;
 
 /// Most choices (`n`) one request may ask for.
 const MAX_N: usize = 128;
@@ -365,21 +367,13 @@ fn sampling_params(
     prompt_len: usize,
     default_max: Option<usize>,
 ) -> Result<SamplingParams, OpenAiError> {
-    let room = facts.max_context.saturating_sub(prompt_len);
-    let max_new_tokens = common
-        .max_completion_tokens
-        .or(common.max_tokens)
-        .or(default_max.map(|d| d.min(room)))
-        .unwrap_or(room);
-    if max_new_tokens == 0 || max_new_tokens > room {
-        return Err(OpenAiError::bad(
-            format!(
-                "max_tokens {max_new_tokens} does not fit: the prompt has {prompt_len} tokens and the model's context is {}",
-                facts.max_context
-            ),
-            "max_tokens",
-        ));
-    }
+    let max_new_tokens = facts
+        .new_token_budget(
+            prompt_len,
+            common.max_completion_tokens.or(common.max_tokens),
+            default_max,
+        )
+        .map_err(|e| OpenAiError::bad(e, "max_tokens"))?;
     let temperature = common.temperature.unwrap_or(1.0);
     if !(0.0..=2.0).contains(&temperature) {
         return Err(OpenAiError::bad(
@@ -470,39 +464,58 @@ fn submit(
         n,
         params,
     };
-    let training = target.training;
-    let job: Job = Box::new(move |engine| {
-        if training {
-            if let Err(e) = engine.sync_sampler_weights() {
-                let error = format!("syncing the sampler to the latest weights: {e}");
-                let _ = events.send(Event::Failed(
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    error.clone(),
-                ));
-                return crate::futures::Outcome::server_error(error);
-            }
+    let job = SampleJob {
+        requests: vec![request],
+        cancel: None,
+        sink: Box::new(OpenAiSample {
+            events,
+            training: target.training,
+        }),
+    };
+    state.app.submit_sample(&target.worker, job)?;
+    Ok(receiver)
+}
+
+/// One `/v1` request's events.
+struct OpenAiSample {
+    events: tokio::sync::mpsc::UnboundedSender<Event>,
+    /// A training model: sync its sampler to the latest weights first.
+    training: bool,
+}
+
+impl SampleSink for OpenAiSample {
+    fn prepare(&mut self, engine: &mut AnyLocalEngine) -> Result<(), SampleFailure> {
+        if self.training {
+            engine.sync_sampler_weights().map_err(|e| SampleFailure {
+                message: format!("syncing the sampler to the latest weights: {e}"),
+                by_request: false,
+            })?;
         }
-        match engine.sample(vec![request], &mut |g| {
-            let _ = events.send(Event::Generation(g));
-        }) {
+        Ok(())
+    }
+
+    fn generation(&mut self, generation: Generation) {
+        let _ = self.events.send(Event::Generation(generation));
+    }
+
+    fn finish(self: Box<Self>, result: Result<(), SampleFailure>) -> Outcome {
+        match result {
             Ok(()) => {
-                let _ = events.send(Event::Done);
-                crate::futures::Outcome::Json(Value::Null)
+                let _ = self.events.send(Event::Done);
+                Outcome::Json(Value::Null)
             }
-            Err(e) => {
-                let status = if e.is_invalid_request() {
+            Err(failure) => {
+                let status = if failure.by_request {
                     StatusCode::BAD_REQUEST
                 } else {
                     StatusCode::INTERNAL_SERVER_ERROR
                 };
-                let error = format!("sample: {e}");
-                let _ = events.send(Event::Failed(status, error.clone()));
-                crate::futures::Outcome::user_error(error)
+                let error = format!("sample: {}", failure.message);
+                let _ = self.events.send(Event::Failed(status, error.clone()));
+                Outcome::user_error(error)
             }
         }
-    });
-    state.app.submit_unordered(&target.worker, job)?;
-    Ok(receiver)
+    }
 }
 
 /// Every generation, by sample index, once all are done.

@@ -27,6 +27,7 @@ use crate::error::ApiError;
 use crate::futures::{parse_request_id, request_id_string, CancelTicket, Outcome, Poll};
 use crate::proto;
 use crate::rest;
+use crate::sample_batch::{SampleFailure, SampleJob, SampleSink};
 use crate::state::{
     checkpoint_lora, random_id, AppState, CheckpointMeta, ModelFacts, SamplingSession, Session,
     TinkerPath, TrainingModel, WeightsKind,
@@ -233,20 +234,14 @@ pub(crate) fn spawn_engine(
         }
         Ok(engine)
     });
-    Worker::spawn(
-        name,
-        build,
-        Arc::clone(&app.futures),
-        ready,
-        app.config.max_queued_per_engine,
-    )
-    .map(Arc::new)
-    .map_err(|e| {
-        ApiError::new(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            format!("engine thread: {e}"),
-        )
-    })
+    Worker::spawn(name, build, ready, &app.worker_context())
+        .map(Arc::new)
+        .map_err(|e| {
+            ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                format!("engine thread: {e}"),
+            )
+        })
 }
 
 /// Registers training model `{session}:train:{seq}` on a new engine and returns the
@@ -811,9 +806,18 @@ pub async fn asample(State(app): State<AppRef>, body: Body) -> Result<Json<Value
         n: request.num_samples,
         params,
     };
+    let sink = TinkerSample {
+        scored_prompt: request.prompt_logprobs.then(|| sample.prompt.clone()),
+        prompt_logprobs: None,
+        generations: Vec::new(),
+    };
     let ticket = CancelTicket::default();
-    let job = sample_job(sample, request.prompt_logprobs, ticket.clone());
-    let id = app.submit_unordered(&sampler.worker, job)?;
+    let job = SampleJob {
+        requests: vec![sample],
+        cancel: Some(ticket.clone()),
+        sink: Box::new(sink),
+    };
+    let id = app.submit_sample(&sampler.worker, job)?;
     app.futures.set_cancel_ticket(id, ticket);
     app.futures
         .track(id, rest::completion_log_key(sampler_id, request.seq_id));
@@ -852,14 +856,9 @@ fn sampling_params(
     facts: &ModelFacts,
     prompt_len: usize,
 ) -> Result<SamplingParams, ApiError> {
-    let room = facts.max_context.saturating_sub(prompt_len);
-    let max_new_tokens = params.max_tokens.unwrap_or(room);
-    if max_new_tokens == 0 || max_new_tokens > room {
-        return Err(ApiError::bad_request(format!(
-            "asample: max_tokens {max_new_tokens} does not fit: the prompt has {prompt_len} tokens and the model's context is {}",
-            facts.max_context
-        )));
-    }
+    let max_new_tokens = facts
+        .new_token_budget(prompt_len, params.max_tokens, None)
+        .map_err(|e| ApiError::bad_request(format!("asample: {e}")))?;
     let (stop_token_ids, stop_strings) = match &params.stop {
         None => (facts.eos_token_ids.clone(), Vec::new()),
         Some(api::Stop::Tokens(ids)) => (ids.clone(), Vec::new()),
@@ -885,41 +884,59 @@ fn sampling_params(
     })
 }
 
-fn sample_job(sample: SampleRequest, with_prompt_logprobs: bool, ticket: CancelTicket) -> Job {
-    Box::new(move |engine| {
-        if !ticket.start() {
-            return Outcome::user_error("sample: cancelled by the client before it started");
-        }
-        let prompt_logprobs = if with_prompt_logprobs {
+/// One `asample`'s results: its prompt log-probs (when asked for), then its samples.
+struct TinkerSample {
+    /// The prompt, when its log-probs are asked for.
+    scored_prompt: Option<Vec<u32>>,
+    prompt_logprobs: Option<Vec<f64>>,
+    generations: Vec<Generation>,
+}
+
+impl SampleSink for TinkerSample {
+    /// Scores the prompt on its own (a forward of this prompt alone, as before batching):
+    /// NaN for the first token, then each token's log-prob given those before it.
+    fn prepare(&mut self, engine: &mut AnyLocalEngine) -> Result<(), SampleFailure> {
+        let Some(prompt) = &self.scored_prompt else {
+            return Ok(());
+        };
+        let mut logprobs = vec![f64::NAN];
+        if prompt.len() > 1 {
             let group = floe_engine::SequenceGroup {
                 targets: None,
-                prompt: vec![sample.prompt[0]],
-                responses: vec![sample.prompt[1..].to_vec()],
+                prompt: vec![prompt[0]],
+                responses: vec![prompt[1..].to_vec()],
             };
-            if sample.prompt.len() == 1 {
-                Some(vec![f64::NAN])
-            } else {
-                match engine.forward(&[group], Weights::Policy, 1.0) {
-                    Ok(mut outputs) => {
-                        let scored = outputs.swap_remove(0).swap_remove(0).logprobs;
-                        Some(std::iter::once(f64::NAN).chain(scored).collect())
-                    }
-                    Err(e) => return Outcome::user_error(format!("prompt_logprobs: {e}")),
-                }
-            }
-        } else {
-            None
-        };
-        let mut generations: Vec<Generation> = Vec::with_capacity(sample.n);
-        if let Err(e) = engine.sample(vec![sample], &mut |g| generations.push(g)) {
-            return Outcome::user_error(format!("sample: {e}"));
+            let mut outputs = engine
+                .forward(&[group], Weights::Policy, 1.0)
+                .map_err(|e| SampleFailure {
+                    message: format!("prompt_logprobs: {e}"),
+                    by_request: true,
+                })?;
+            logprobs.extend(outputs.swap_remove(0).swap_remove(0).logprobs);
         }
-        generations.sort_by_key(|g| g.sample_index);
-        Outcome::Proto(convert::sample_response(
-            &generations,
-            prompt_logprobs.as_deref(),
-        ))
-    })
+        self.prompt_logprobs = Some(logprobs);
+        Ok(())
+    }
+
+    fn generation(&mut self, generation: Generation) {
+        self.generations.push(generation);
+    }
+
+    fn finish(mut self: Box<Self>, result: Result<(), SampleFailure>) -> Outcome {
+        match result {
+            Ok(()) => {
+                self.generations.sort_by_key(|g| g.sample_index);
+                Outcome::Proto(convert::sample_response(
+                    &self.generations,
+                    self.prompt_logprobs.as_deref(),
+                ))
+            }
+            Err(failure) if failure.by_request => {
+                Outcome::user_error(format!("sample: {}", failure.message))
+            }
+            Err(failure) => Outcome::server_error(format!("sample: {}", failure.message)),
+        }
+    }
 }
 
 /// The `complete_metadata` answer of a finished future whose payload has `size` bytes.

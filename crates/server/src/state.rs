@@ -17,7 +17,8 @@ use serde::{Deserialize, Serialize};
 use crate::catalog::Catalog;
 use crate::error::ApiError;
 use crate::futures::{Futures, Outcome};
-use crate::worker::{Job, QueueError, Worker};
+use crate::sample_batch::{SampleBatchLimits, SampleJob, SampleStats};
+use crate::worker::{Job, QueueError, Worker, WorkerContext};
 
 /// How clients authenticate.
 #[derive(Clone, Debug)]
@@ -104,6 +105,28 @@ pub struct ModelFacts {
     pub arch: String,
 }
 
+impl ModelFacts {
+    /// The new-token budget of a sample of a `prompt_len`-token prompt: `asked`, else
+    /// `default` (cut to the room the context leaves), else all that room; the error
+    /// says why it does not fit.
+    pub fn new_token_budget(
+        &self,
+        prompt_len: usize,
+        asked: Option<usize>,
+        default: Option<usize>,
+    ) -> Result<usize, String> {
+        let room = self.max_context.saturating_sub(prompt_len);
+        let budget = asked.or(default.map(|d| d.min(room))).unwrap_or(room);
+        if budget == 0 || budget > room {
+            return Err(format!(
+                "max_tokens {budget} does not fit: the prompt has {prompt_len} tokens and the model's context is {}",
+                self.max_context
+            ));
+        }
+        Ok(budget)
+    }
+}
+
 /// Where a sampling session's samples come from.
 pub struct SamplingSession {
     /// The session's id.
@@ -140,17 +163,33 @@ pub struct AppState {
     registry: Mutex<Registry>,
     /// The base weights LoRA models read, one copy per base model name.
     shared_bases: Mutex<HashMap<String, SharedBase>>,
+    /// How large one engine's sample batch may grow.
+    batch_limits: SampleBatchLimits,
+    /// The sample batches of every engine.
+    pub sample_stats: Arc<SampleStats>,
 }
 
 impl AppState {
-    /// Fresh state.
-    pub fn new(config: ServerConfig) -> Self {
+    /// Fresh state whose engines batch samples up to `batch_limits`.
+    pub fn new(config: ServerConfig, batch_limits: SampleBatchLimits) -> Self {
         let futures = Arc::new(Futures::new(config.future_expiry));
         Self {
             config,
             futures,
             registry: Mutex::new(Registry::default()),
             shared_bases: Mutex::new(HashMap::new()),
+            batch_limits,
+            sample_stats: Arc::default(),
+        }
+    }
+
+    /// What a new engine thread needs of the server.
+    pub fn worker_context(&self) -> WorkerContext {
+        WorkerContext {
+            futures: Arc::clone(&self.futures),
+            max_queued: self.config.max_queued_per_engine,
+            batch_limits: self.batch_limits,
+            sample_stats: Arc::clone(&self.sample_stats),
         }
     }
 
@@ -234,6 +273,19 @@ impl AppState {
         worker.has_room().map_err(queue_error)?;
         let id = self.futures.issue();
         if let Err(error) = worker.send(id, job) {
+            self.futures
+                .complete(id, Outcome::server_error("the engine is gone"));
+            return Err(queue_error(error));
+        }
+        Ok(id)
+    }
+
+    /// Queues sample `job` on `worker` in arrival order; it joins the sample jobs queued
+    /// beside it in one engine call.
+    pub fn submit_sample(&self, worker: &Worker, job: SampleJob) -> Result<u64, ApiError> {
+        worker.has_room().map_err(queue_error)?;
+        let id = self.futures.issue();
+        if let Err(error) = worker.send_sample(id, job) {
             self.futures
                 .complete(id, Outcome::server_error("the engine is gone"));
             return Err(queue_error(error));

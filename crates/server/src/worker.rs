@@ -1,6 +1,8 @@
 //! One engine per thread. A [`Worker`] owns an [`AnyLocalEngine`] on its own OS thread
 //! (the engine and its device stay on one thread, and a slow verb never blocks the HTTP
 //! runtime) and runs jobs in the order they are sent, completing each job's future.
+//! Sample jobs queued back to back run as one batch ([`crate::sample_batch`]); no job
+//! passes another verb.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -11,6 +13,9 @@ use floe_engine::{AnyLocalEngine, KnobNames, LocalEngineOptions, ModelSource};
 use floe_model::tokenizer::Tokenizer;
 
 use crate::futures::{Futures, Outcome};
+use crate::sample_batch::{
+    run_batch, BatchSize, SampleBatchLimits, SampleFailure, SampleJob, SampleStats,
+};
 
 /// Work for an engine; returns the outcome of its future.
 pub type Job = Box<dyn FnOnce(&mut AnyLocalEngine) -> Outcome + Send>;
@@ -40,9 +45,30 @@ pub enum QueueError {
     Gone,
 }
 
+/// What a worker's queue holds, each with its future.
+enum Task {
+    /// Runs alone.
+    Verb(u64, Job),
+    /// Joins the sample jobs queued right behind it.
+    Sample(u64, SampleJob),
+}
+
+/// What every worker of a server shares.
+#[derive(Clone)]
+pub struct WorkerContext {
+    /// The futures jobs complete.
+    pub futures: Arc<Futures>,
+    /// Most unfinished jobs per worker.
+    pub max_queued: usize,
+    /// How large a sample batch may grow.
+    pub batch_limits: SampleBatchLimits,
+    /// Where sample batches are counted.
+    pub sample_stats: Arc<SampleStats>,
+}
+
 /// A handle on an engine thread.
 pub struct Worker {
-    jobs: mpsc::Sender<(u64, Job)>,
+    jobs: mpsc::Sender<Task>,
     queued: Arc<AtomicUsize>,
     max_queued: usize,
 }
@@ -53,13 +79,18 @@ impl Worker {
     pub fn spawn(
         name: String,
         build: EngineBuilder,
-        futures: Arc<Futures>,
         ready: Option<(u64, Outcome)>,
-        max_queued: usize,
+        context: &WorkerContext,
     ) -> std::io::Result<Self> {
-        let (jobs, receiver) = mpsc::channel::<(u64, Job)>();
+        let (jobs, receiver) = mpsc::channel::<Task>();
         let queued = Arc::new(AtomicUsize::new(0));
         let counter = Arc::clone(&queued);
+        let WorkerContext {
+            futures,
+            max_queued,
+            batch_limits,
+            sample_stats,
+        } = context.clone();
         std::thread::Builder::new().name(name).spawn(move || {
             let built = catch_unwind(AssertUnwindSafe(build))
                 .unwrap_or_else(|_| Err("the engine panicked while loading".to_string()));
@@ -78,17 +109,53 @@ impl Worker {
                     }
                     // Fail whatever was queued meanwhile, then end the thread: later sends
                     // see a closed channel.
-                    while let Ok((id, _)) = receiver.try_recv() {
-                        futures.complete(id, Outcome::server_error(error.clone()));
+                    while let Ok(task) = receiver.try_recv() {
+                        let outcome = Outcome::server_error(error.clone());
+                        match task {
+                            Task::Verb(id, _) => futures.complete(id, outcome),
+                            Task::Sample(id, job) => futures.complete(
+                                id,
+                                job.sink.finish(Err(SampleFailure {
+                                    message: error.clone(),
+                                    by_request: false,
+                                })),
+                            ),
+                        }
                     }
                     return;
                 }
             };
-            while let Ok((id, job)) = receiver.recv() {
-                let outcome = catch_unwind(AssertUnwindSafe(|| job(&mut engine)))
-                    .unwrap_or_else(|_| Outcome::server_error("the engine panicked"));
+            let mut done = |id: u64, outcome: Outcome| {
                 futures.complete(id, outcome);
                 counter.fetch_sub(1, Ordering::Relaxed);
+            };
+            // A task taken from the queue while a batch formed, which runs next.
+            let mut next: Option<Task> = None;
+            while let Some(task) = next.take().or_else(|| receiver.recv().ok()) {
+                match task {
+                    Task::Verb(id, job) => {
+                        let outcome = catch_unwind(AssertUnwindSafe(|| job(&mut engine)))
+                            .unwrap_or_else(|_| Outcome::server_error("the engine panicked"));
+                        done(id, outcome);
+                    }
+                    Task::Sample(id, job) => {
+                        let mut size = BatchSize::default();
+                        size.admit(&job, &batch_limits);
+                        let mut batch = vec![(id, job)];
+                        while let Ok(task) = receiver.try_recv() {
+                            match task {
+                                Task::Sample(id, job) if size.admit(&job, &batch_limits) => {
+                                    batch.push((id, job));
+                                }
+                                other => {
+                                    next = Some(other);
+                                    break;
+                                }
+                            }
+                        }
+                        run_batch(&mut engine, batch, &sample_stats, &mut done);
+                    }
+                }
             }
         })?;
         Ok(Self {
@@ -108,8 +175,18 @@ impl Worker {
 
     /// Queues `job` for future `id`, after every job sent before it.
     pub fn send(&self, id: u64, job: Job) -> Result<(), QueueError> {
+        self.enqueue(Task::Verb(id, job))
+    }
+
+    /// Queues sample `job` for future `id`, after every job sent before it; it runs in
+    /// one batch with the sample jobs queued right behind it.
+    pub fn send_sample(&self, id: u64, job: SampleJob) -> Result<(), QueueError> {
+        self.enqueue(Task::Sample(id, job))
+    }
+
+    fn enqueue(&self, task: Task) -> Result<(), QueueError> {
         self.queued.fetch_add(1, Ordering::Relaxed);
-        self.jobs.send((id, job)).map_err(|_| {
+        self.jobs.send(task).map_err(|_| {
             self.queued.fetch_sub(1, Ordering::Relaxed);
             QueueError::Gone
         })
