@@ -199,10 +199,13 @@ impl Running {
 }
 
 /// Runs `batch` (futures and their jobs, in arrival order) as one engine call, calling
-/// `done` with each job's outcome as soon as it has one.
+/// `done` with each job's outcome as soon as it has one. `next_id` numbers the requests
+/// the engine sees, never reused on one engine, so a generation of another call (one a
+/// panic left queued in the engine) is never taken for one of this call.
 pub(crate) fn run_batch(
     engine: &mut AnyLocalEngine,
     batch: Vec<(u64, SampleJob)>,
+    next_id: &mut u64,
     stats: &SampleStats,
     done: &mut dyn FnMut(u64, Outcome),
 ) {
@@ -241,7 +244,8 @@ pub(crate) fn run_batch(
     }
     let (mut requests, mut samples, mut tokens) = (0, 0, 0);
     loop {
-        // Internal id i is request `owners[i].1` of job `owners[i].0`.
+        // Engine id `first + i` is request `owners[i].1` of job `owners[i].0`.
+        let first = *next_id;
         let mut owners = Vec::new();
         let mut submitted = Vec::new();
         for (j, job) in running.iter().enumerate() {
@@ -250,12 +254,14 @@ pub(crate) fn run_batch(
             }
             for request in &job.requests {
                 submitted.push(SampleRequest {
-                    id: owners.len() as u64,
+                    id: first + owners.len() as u64,
                     ..request.clone()
                 });
                 owners.push((j, request.id));
             }
         }
+        *next_id += owners.len() as u64;
+        let owner = |id: u64| id.checked_sub(first).and_then(|i| owners.get(i as usize));
         if submitted.is_empty() {
             break;
         }
@@ -264,13 +270,19 @@ pub(crate) fn run_batch(
         let mut delivered = false;
         let result = catch_unwind(AssertUnwindSafe(|| {
             engine.sample(submitted, &mut |mut generation| {
+                let Some(&(j, client_id)) = owner(generation.request_id) else {
+                    tracing::warn!(
+                        id = generation.request_id,
+                        "a sample of no request of this batch"
+                    );
+                    return;
+                };
                 delivered = true;
-                let (j, client_id) = owners[generation.request_id as usize];
                 generation.request_id = client_id;
                 samples += 1;
                 tokens += generation.tokens.len();
                 let job = &mut running[j];
-                job.unfinished -= 1;
+                job.unfinished = job.unfinished.saturating_sub(1);
                 if let Some(sink) = &mut job.sink {
                     sink.generation(generation);
                 }
@@ -287,9 +299,9 @@ pub(crate) fn run_batch(
             // The engine checks every request before sampling any: fail the refused
             // one's job and run the others again.
             Ok(Err(floe_engine::Error::Sample(SampleError::InvalidRequest { id, reason })))
-                if !delivered =>
+                if !delivered && owner(id).is_some() =>
             {
-                let (j, client_id) = owners[id as usize];
+                let (j, client_id) = owners[(id - first) as usize];
                 let failure = SampleFailure {
                     message: format!("sample request {client_id}: {reason}"),
                     by_request: true,

@@ -131,6 +131,7 @@ impl Worker {
             };
             // A task taken from the queue while a batch formed, which runs next.
             let mut next: Option<Task> = None;
+            let mut next_sample_id = 0;
             while let Some(task) = next.take().or_else(|| receiver.recv().ok()) {
                 match task {
                     Task::Verb(id, job) => {
@@ -153,7 +154,13 @@ impl Worker {
                                 }
                             }
                         }
-                        run_batch(&mut engine, batch, &sample_stats, &mut done);
+                        run_batch(
+                            &mut engine,
+                            batch,
+                            &mut next_sample_id,
+                            &sample_stats,
+                            &mut done,
+                        );
                     }
                 }
             }
