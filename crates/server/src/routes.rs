@@ -893,8 +893,8 @@ struct TinkerSample {
 }
 
 impl SampleSink for TinkerSample {
-    /// Scores the prompt on its own (a forward of this prompt alone, as before batching):
-    /// NaN for the first token, then each token's log-prob given those before it.
+    /// Scores the prompt in a forward of its own, so its log-probs do not depend on the
+    /// batch: NaN for the first token, then each token's log-prob given those before it.
     fn prepare(&mut self, engine: &mut AnyLocalEngine) -> Result<(), SampleFailure> {
         let Some(prompt) = &self.scored_prompt else {
             return Ok(());
