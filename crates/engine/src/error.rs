@@ -16,8 +16,9 @@ pub enum Error {
     },
     /// Training ran out of device memory; the message says which settings free some.
     #[error(
-        "{source}; training micro-batches hold up to {tokens} tokens (recompute {recompute}) \
-         beside a sampler KV cache of {kv_cache_gib:.1} GiB: lower \
+        "{source}; training micro-batches hold up to {tokens} tokens (recomputing \
+         {recomputed_layers} of {num_layers} layers) beside a sampler KV cache of \
+         {kv_cache_gib:.1} GiB: lower \
          trainer.micro_train_batch_size_per_gpu or set trainer.max_tokens_per_microbatch, set \
          engine.recompute = true, or lower engine.memory_fraction"
     )]
@@ -26,8 +27,10 @@ pub enum Error {
         source: Box<Error>,
         /// The micro-batch token budget.
         tokens: usize,
-        /// Whether activations were recomputed.
-        recompute: bool,
+        /// Layers whose activations the backward recomputed.
+        recomputed_layers: usize,
+        /// The model's layers.
+        num_layers: usize,
         /// The KV cache's size.
         kv_cache_gib: f64,
     },

@@ -102,7 +102,7 @@ pub use local::{
     saved_model_dir, saved_weights_source, AdapterSource, AnyLocalEngine, LocalEngine,
     LocalEngineOptions, ModelSource, SharedBase,
 };
-pub use memory_plan::{Knob, KnobNames, MemoryPlan, PlanError, PlanInputs};
+pub use memory_plan::{Knob, KnobNames, MemoryPlan, PlanError, PlanInputs, Recompute};
 pub use packing::{
     pack_rollouts, MicroBatch, PackingConfig, PackingError, PackingMode, Response, ResponseRows,
     RolloutGroup, TokenRef,

@@ -36,7 +36,7 @@ use floe_rl::{compute_policy_loss, AlgorithmConfig, GlobalNorm, LossInputs};
 use crate::admission::{Gate, Reservation};
 use crate::device::Device;
 use crate::error::{Error, Result};
-use crate::memory_plan::{MemoryPlan, PlanInputs};
+use crate::memory_plan::{MemoryPlan, PlanInputs, Recompute};
 use crate::packing::{
     pack_rollouts, MicroBatch, PackingConfig, PackingMode, Response, RolloutGroup,
 };
@@ -67,8 +67,13 @@ pub struct LocalEngineOptions {
     pub device: Device,
     /// CPU threads for the process-wide pool; 0 uses every core.
     pub threads: usize,
-    /// Recompute each layer's activations in the backward (less memory, same results).
-    pub recompute: bool,
+    /// Which layers' activations the backward recomputes (less memory, same results);
+    /// the memory plan resolves [`Recompute::Auto`].
+    pub recompute: Recompute,
+    /// Tokens the sampler's KV cache should hold at once (a run's concurrent samples at
+    /// their longest): [`Recompute::Auto`] recomputes layers rather than leave it less
+    /// room; 0 asks only for the smallest useful cache.
+    pub kv_cache_tokens_wanted: usize,
     /// Most tokens in one training or scoring micro-batch.
     pub max_tokens_per_microbatch: usize,
     /// Bytes of KV cache; `None` gives it what the engine's memory plan leaves of
@@ -97,7 +102,8 @@ impl Default for LocalEngineOptions {
         Self {
             device: Device::Cpu,
             threads: 0,
-            recompute: false,
+            recompute: Recompute::Auto,
+            kv_cache_tokens_wanted: 0,
             max_tokens_per_microbatch: 4096,
             kv_cache_bytes: None,
             memory_fraction: 0.8,
@@ -320,7 +326,7 @@ impl<B: Backend> LocalEngine<B> {
         plan.check()?;
         let mut policy = Policy::new(source.load(backend, BaseStorage::Trainable)?);
         policy.set_optimizer_placement(options.optimizer_placement)?;
-        policy.set_recompute(options.recompute);
+        policy.set_recomputed_layers(plan.recomputed_layers);
         // What the plan holds for good is taken now, so the next engine sees it gone.
         policy.allocate_training_state()?;
         let sampler_config = sampler_config(policy.model(), &options, &plan);
@@ -389,6 +395,7 @@ impl<B: Backend> LocalEngine<B> {
         );
         self.sampler_config = sampler_config(model, &self.options, &plan);
         self.sampler = new_sampler(model, &self.sampler_config, &self.tokenizer)?;
+        self.policy.set_recomputed_layers(plan.recomputed_layers);
         self.info = engine_info(self.policy.model(), &self.options, &self.sampler_config);
         Ok(())
     }
@@ -691,7 +698,8 @@ impl<B: Backend> Engine for LocalEngine<B> {
             source if source.is_out_of_memory() => Error::TrainingOutOfMemory {
                 source: Box::new(source),
                 tokens: self.options.max_tokens_per_microbatch,
-                recompute: self.options.recompute,
+                recomputed_layers: self.policy.model().recomputed_layers(),
+                num_layers: self.policy.model().config().num_hidden_layers,
                 kv_cache_gib: (self.sampler_config.num_blocks
                     * self
                         .policy
@@ -772,7 +780,7 @@ impl<B: Backend> Engine for LocalEngine<B> {
         } else {
             Policy::load(Arc::clone(&backend), dir, self.options.optimizer_placement)?
         };
-        policy.set_recompute(self.options.recompute);
+        policy.set_recomputed_layers(self.plan.recomputed_layers);
         let reference_dir = dir.join(REFERENCE_DIR);
         let reference = if reference_dir.is_dir() {
             let (config, host) = weights::load_model_dir(&reference_dir)?;
@@ -1091,6 +1099,8 @@ fn memory_plan<B: Backend>(
         device: options.device,
         placement: options.optimizer_placement,
         recompute: options.recompute,
+        kv_cache_tokens_wanted: options.kv_cache_tokens_wanted,
+        kv_cache_bytes: options.kv_cache_bytes,
         max_tokens_per_microbatch: options.max_tokens_per_microbatch,
         budget_bytes: budget,
         reserved_by_others,

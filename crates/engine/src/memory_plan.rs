@@ -10,13 +10,18 @@
 //! sampler's KV cache, which gets what is left of the budget. Items used only while a
 //! step runs are marked [`PlanItem::per_step`]: other engines on the device must leave
 //! them free (see [`crate::admission`]).
+//!
+//! The plan also decides how many layers the backward recomputes ([`Recompute`]): with
+//! `auto`, the fewest that leave the KV cache the room it wants.
 
 use std::fmt;
+use std::str::FromStr;
 
 use floe_backend::BufKind;
 use floe_model::lora::{adapter_specs, LoraConfig};
-use floe_model::transformer::Transformer;
+use floe_model::transformer::{max_recomputed_layers, Transformer};
 use floe_model::ModelConfig;
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use crate::device::Device;
 use crate::policy::OptimizerPlacement;
@@ -43,8 +48,14 @@ pub struct PlanInputs<'a> {
     pub device: Device,
     /// Where the optimizer keeps masters and moments.
     pub placement: OptimizerPlacement,
-    /// Whether the backward recomputes each layer's activations.
-    pub recompute: bool,
+    /// Which layers' activations the backward recomputes.
+    pub recompute: Recompute,
+    /// Tokens the sampler's KV cache should hold; [`Recompute::Auto`] recomputes layers
+    /// rather than leave it less room (0: only [`MIN_KV_CACHE_BYTES`]).
+    pub kv_cache_tokens_wanted: usize,
+    /// A KV cache of a fixed size instead of what the plan leaves (`floe serve
+    /// --kv-cache-gib`); [`Recompute::Auto`] leaves it room too.
+    pub kv_cache_bytes: Option<usize>,
     /// Most tokens in one training micro-batch.
     pub max_tokens_per_microbatch: usize,
     /// Bytes the engine may use on the device (`engine.memory_fraction` of its free
@@ -79,17 +90,41 @@ pub struct MemoryPlan {
     pub budget_bytes: Option<usize>,
     /// Bytes other engines on the device reserve for their steps.
     pub reserved_by_others: usize,
+    /// Layers whose activations the backward recomputes (the first ones).
+    pub recomputed_layers: usize,
+    /// The model's layers.
+    pub num_layers: usize,
+    /// What was asked for ([`Recompute::Auto`] resolved into `recomputed_layers`).
+    pub recompute: Recompute,
     /// The settings a refusal names as knobs.
     knobs: Knobs,
 }
 
 impl MemoryPlan {
-    /// The plan of `inputs`.
+    /// The plan of `inputs`, recomputing as many layers as `inputs.recompute` says; for
+    /// [`Recompute::Auto`], the fewest that leave the KV cache the room it wants (every
+    /// layer that can be when none do, and none without a device budget).
     pub fn new(inputs: &PlanInputs<'_>) -> Self {
-        let bytes = |kind: BufKind| match inputs.device {
-            Device::Cpu => 4,
-            Device::Cuda(_) => floe_backend::cuda::element_bytes(kind),
-        };
+        let most = max_recomputed_layers(inputs.model);
+        match inputs.recompute {
+            Recompute::None => Self::recomputing(inputs, 0),
+            Recompute::All => Self::recomputing(inputs, most),
+            Recompute::Layers(layers) => Self::recomputing(inputs, layers.min(most)),
+            Recompute::Auto => {
+                let wanted = MIN_KV_CACHE_BYTES
+                    .max(inputs.kv_cache_tokens_wanted * kv_cache_bytes_per_token(inputs))
+                    .max(inputs.kv_cache_bytes.unwrap_or(0));
+                (0..=most)
+                    .map(|layers| Self::recomputing(inputs, layers))
+                    .find(|plan| plan.kv_cache_bytes().is_none_or(|kv| kv >= wanted))
+                    .unwrap_or_else(|| Self::recomputing(inputs, most))
+            }
+        }
+    }
+
+    /// The plan with the first `recomputed_layers` layers recomputed.
+    fn recomputing(inputs: &PlanInputs<'_>, recomputed_layers: usize) -> Self {
+        let bytes = |kind: BufKind| element_bytes(inputs.device, kind);
         let on_device = matches!(inputs.device, Device::Cuda(_));
         let (compute, full) = (bytes(BufKind::Compute), bytes(BufKind::Full));
         let base = inputs.model.num_parameters();
@@ -144,7 +179,7 @@ impl MemoryPlan {
             Transformer::<floe_backend::cpu::CpuBackend>::training_activation_bytes(
                 inputs.model,
                 tokens,
-                inputs.recompute,
+                recomputed_layers,
                 &bytes,
             ),
         ));
@@ -161,9 +196,12 @@ impl MemoryPlan {
             host,
             budget_bytes: inputs.budget_bytes,
             reserved_by_others: inputs.reserved_by_others,
+            recomputed_layers,
+            num_layers: inputs.model.num_hidden_layers,
+            recompute: inputs.recompute,
             knobs: Knobs {
                 max_tokens_per_microbatch: tokens,
-                recompute: inputs.recompute,
+                recompute_more: recomputed_layers < max_recomputed_layers(inputs.model),
                 placement: inputs.placement,
                 lora: frozen_base,
             },
@@ -202,12 +240,12 @@ impl MemoryPlan {
             (Some(budget), Some(kv)) if kv < MIN_KV_CACHE_BYTES => {
                 let Knobs {
                     max_tokens_per_microbatch: tokens,
-                    recompute,
+                    recompute_more,
                     placement,
                     lora,
                 } = self.knobs;
                 let mut knobs = vec![Knob::MicrobatchTokens(tokens)];
-                if !recompute {
+                if recompute_more {
                     knobs.push(Knob::Recompute);
                 }
                 // Adapters' optimizer state is too small for moving it to help.
@@ -239,7 +277,7 @@ impl MemoryPlan {
 pub enum Knob {
     /// Fewer tokens in a training micro-batch (now this many).
     MicrobatchTokens(usize),
-    /// Recompute activations in the backward.
+    /// Recompute every layer's activations in the backward (some are stored now).
     Recompute,
     /// Masters and AdamW moments in host memory.
     OffloadOptimizer,
@@ -272,8 +310,12 @@ impl Knob {
             Knob::MicrobatchTokens(tokens) => format!(
                 "lower the micro-batch tokens (trainer.max_tokens_per_microbatch, now {tokens})"
             ),
-            Knob::Recompute if serve => "start floe serve with --recompute".into(),
-            Knob::Recompute => "set engine.recompute = true".into(),
+            Knob::Recompute if serve => {
+                "start floe serve with --recompute (or --recompute=auto)".into()
+            }
+            Knob::Recompute => {
+                "set engine.recompute = true (or \"auto\": recompute only what must be)".into()
+            }
             Knob::OffloadOptimizer if serve => {
                 "start floe serve with --offload-optimizer (masters and AdamW moments in host \
                  memory)"
@@ -308,9 +350,130 @@ impl Knob {
 #[derive(Clone, Debug, PartialEq)]
 struct Knobs {
     max_tokens_per_microbatch: usize,
-    recompute: bool,
+    /// Some layers' activations are stored, which recomputing them would free.
+    recompute_more: bool,
     placement: OptimizerPlacement,
     lora: bool,
+}
+
+/// Which layers' activations the backward recomputes from their inputs instead of
+/// storing them (activation checkpointing): each recomputed layer frees one layer's
+/// activations and costs one more layer forward. Written `false`, `true`, `"auto"` or a
+/// number of layers (in recipes `engine.recompute`, in `floe bench` and `floe serve`
+/// `--recompute`, in the native API the engine setting `recompute`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Recompute {
+    /// Store every layer's activations (`false`).
+    None,
+    /// Recompute every layer's but the last, whose activations are still in memory when
+    /// the backward starts (`true`): the least memory.
+    All,
+    /// Recompute the first this many layers' (past [`Recompute::All`]'s count, the same).
+    Layers(usize),
+    /// The fewest layers that leave the KV cache the room it wants (`"auto"`;
+    /// [`MemoryPlan::new`]); none on the CPU.
+    #[default]
+    Auto,
+}
+
+impl fmt::Display for Recompute {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Recompute::None => write!(f, "false"),
+            Recompute::All => write!(f, "true"),
+            Recompute::Layers(layers) => write!(f, "{layers}"),
+            Recompute::Auto => write!(f, "auto"),
+        }
+    }
+}
+
+const RECOMPUTE_VALUES: &str = "true, false, \"auto\" or a number of layers";
+
+impl FromStr for Recompute {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, String> {
+        match text {
+            "false" => Ok(Recompute::None),
+            "true" => Ok(Recompute::All),
+            "auto" => Ok(Recompute::Auto),
+            _ => text
+                .parse()
+                .map(Recompute::Layers)
+                .map_err(|_| format!("recompute `{text}`: expected {RECOMPUTE_VALUES}")),
+        }
+    }
+}
+
+impl Serialize for Recompute {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        match self {
+            Recompute::None => serializer.serialize_bool(false),
+            Recompute::All => serializer.serialize_bool(true),
+            Recompute::Layers(layers) => serializer.serialize_u64(*layers as u64),
+            Recompute::Auto => serializer.serialize_str("auto"),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for Recompute {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Visitor;
+        impl serde::de::Visitor<'_> for Visitor {
+            type Value = Recompute;
+
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(RECOMPUTE_VALUES)
+            }
+
+            fn visit_bool<E>(self, value: bool) -> Result<Recompute, E> {
+                Ok(if value {
+                    Recompute::All
+                } else {
+                    Recompute::None
+                })
+            }
+
+            fn visit_u64<E: serde::de::Error>(self, value: u64) -> Result<Recompute, E> {
+                usize::try_from(value)
+                    .map(Recompute::Layers)
+                    .map_err(|_| E::custom(format!("{value} layers is too many")))
+            }
+
+            fn visit_i64<E: serde::de::Error>(self, value: i64) -> Result<Recompute, E> {
+                match u64::try_from(value) {
+                    Ok(value) => self.visit_u64(value),
+                    Err(_) => Err(E::invalid_value(
+                        serde::de::Unexpected::Signed(value),
+                        &self,
+                    )),
+                }
+            }
+
+            fn visit_str<E: serde::de::Error>(self, value: &str) -> Result<Recompute, E> {
+                match value {
+                    "auto" => Ok(Recompute::Auto),
+                    _ => Err(E::invalid_value(serde::de::Unexpected::Str(value), &self)),
+                }
+            }
+        }
+        deserializer.deserialize_any(Visitor)
+    }
+}
+
+/// Bytes of an element of `kind` on `device`.
+fn element_bytes(device: Device, kind: BufKind) -> usize {
+    match device {
+        Device::Cpu => 4,
+        Device::Cuda(_) => floe_backend::cuda::element_bytes(kind),
+    }
+}
+
+/// KV cache bytes of one token (keys and values of every layer), as the sampler's cache
+/// stores them.
+fn kv_cache_bytes_per_token(inputs: &PlanInputs<'_>) -> usize {
+    let model = inputs.model;
+    2 * model.num_hidden_layers * model.kv_dim() * element_bytes(inputs.device, BufKind::Compute)
 }
 
 fn item(what: &'static str, bytes: usize) -> PlanItem {
@@ -336,6 +499,11 @@ fn gib(bytes: usize) -> f64 {
 
 impl fmt::Display for MemoryPlan {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(
+            f,
+            "recompute: {} of {} layers (recompute = {})",
+            self.recomputed_layers, self.num_layers, self.recompute
+        )?;
         writeln!(f, "device memory plan:")?;
         for i in &self.device {
             writeln!(f, "  {:<34} {:>9.2} GiB", i.what, gib(i.bytes))?;
@@ -417,7 +585,9 @@ mod tests {
             base_resident: false,
             device: Device::Cuda(0),
             placement,
-            recompute: true,
+            recompute: Recompute::All,
+            kv_cache_tokens_wanted: 0,
+            kv_cache_bytes: None,
             max_tokens_per_microbatch: 8192,
             budget_bytes: Some(76 << 30),
             reserved_by_others: 0,
@@ -511,22 +681,148 @@ mod tests {
             .all(|w| !w.contains("weights") && !w.contains("moments")));
     }
 
+    fn activations(plan: &MemoryPlan) -> usize {
+        plan.device
+            .iter()
+            .find(|i| i.what.starts_with("activations"))
+            .unwrap()
+            .bytes
+    }
+
     #[test]
     fn recompute_keeps_one_layer_of_activations() {
         let model = ModelConfig::preset("1.7B").unwrap();
         let mut with = inputs(&model, OptimizerPlacement::Device);
-        let activations = |plan: &MemoryPlan| {
-            plan.device
-                .iter()
-                .find(|i| i.what.starts_with("activations"))
-                .unwrap()
-                .bytes
-        };
-        let recomputed = activations(&MemoryPlan::new(&with));
-        with.recompute = false;
+        let all = MemoryPlan::new(&with);
+        assert_eq!(all.recomputed_layers, 27);
+        let recomputed = activations(&all);
+        with.recompute = Recompute::None;
         let stored = activations(&MemoryPlan::new(&with));
         // Every layer's internals against one set and the layer inputs.
         assert!(stored > 5 * recomputed, "{stored} vs {recomputed}");
+        // Each recomputed layer frees one layer's internals.
+        let layers = |n| {
+            activations(&MemoryPlan::new(&PlanInputs {
+                recompute: Recompute::Layers(n),
+                ..with.clone()
+            }))
+        };
+        let layer = layers(10) - layers(11);
+        assert_eq!(layers(20) - layers(21), layer);
+        assert_eq!(layers(1) - layers(27), 26 * layer);
+        assert_eq!(layers(27), recomputed);
+        assert_eq!(layers(1000), recomputed, "a count past all recomputes all");
+    }
+
+    /// The 1.7B shape at 8 x 2048 tokens a micro-batch, as `floe bench train` runs it.
+    fn bench_1_7b(model: &ModelConfig, budget_gib: usize) -> PlanInputs<'_> {
+        PlanInputs {
+            recompute: Recompute::Auto,
+            max_tokens_per_microbatch: 8 * 2048,
+            budget_bytes: Some(budget_gib << 30),
+            ..inputs(model, OptimizerPlacement::Device)
+        }
+    }
+
+    #[test]
+    fn auto_stores_every_layer_where_they_fit_and_recomputes_the_fewest_where_not() {
+        let model = ModelConfig::preset("1.7B").unwrap();
+        // An 80 GB card has about 79 GiB free: every layer's activations fit.
+        let h100 = MemoryPlan::new(&bench_1_7b(&model, 79));
+        assert_eq!(h100.recomputed_layers, 0, "{h100}");
+        h100.check().unwrap();
+        assert!(h100
+            .to_string()
+            .starts_with("recompute: 0 of 28 layers (recompute = auto)\n"));
+        // A smaller budget: some layers, the fewest that fit.
+        let smaller = bench_1_7b(&model, 56);
+        let plan = MemoryPlan::new(&smaller);
+        let k = plan.recomputed_layers;
+        assert!(0 < k && k < 27, "{plan}");
+        plan.check().unwrap();
+        assert!(plan
+            .to_string()
+            .contains(&format!("recompute: {k} of 28 layers")));
+        let one_fewer = MemoryPlan::new(&PlanInputs {
+            recompute: Recompute::Layers(k - 1),
+            ..smaller.clone()
+        });
+        assert!(one_fewer.check().is_err(), "{one_fewer}");
+        // Too small even with every layer recomputed: refused, naming the other knobs.
+        let err = MemoryPlan::new(&bench_1_7b(&model, 32))
+            .check()
+            .unwrap_err();
+        let message = err.to_string();
+        assert!(message.contains("recompute: 27 of 28 layers"), "{message}");
+        assert!(!err.knobs.contains(&Knob::Recompute), "{message}");
+        assert!(
+            message.contains("trainer.max_tokens_per_microbatch"),
+            "{message}"
+        );
+        assert!(message.contains("engine.offload_optimizer"), "{message}");
+        // Storing some layers where all would fit names recomputing as a knob.
+        let some = MemoryPlan::new(&PlanInputs {
+            recompute: Recompute::Layers(3),
+            ..bench_1_7b(&model, 32)
+        });
+        let message = some.check().unwrap_err().to_string();
+        assert!(message.contains("engine.recompute = true"), "{message}");
+    }
+
+    #[test]
+    fn auto_leaves_the_kv_cache_the_room_sampling_wants() {
+        let model = ModelConfig::preset("1.7B").unwrap();
+        let stored = MemoryPlan::new(&bench_1_7b(&model, 79));
+        let room = stored.kv_cache_bytes().unwrap();
+        // 2 (keys, values) x 28 layers x 8 heads x 128 x 2 bytes (bf16).
+        let per_token = 2 * 28 * 1024 * 2;
+        let wanting = |tokens: usize| {
+            MemoryPlan::new(&PlanInputs {
+                kv_cache_tokens_wanted: tokens,
+                ..bench_1_7b(&model, 79)
+            })
+        };
+        assert_eq!(wanting(room / per_token).recomputed_layers, 0);
+        let more = wanting(room / per_token + 1);
+        assert!(more.recomputed_layers > 0);
+        assert!(more.kv_cache_bytes().unwrap() >= room + per_token);
+        // More than any plan leaves: every layer recomputed, the KV cache gets the rest.
+        let most = wanting(1 << 30);
+        assert_eq!(most.recomputed_layers, 27);
+        most.check().unwrap();
+        // A fixed KV cache (floe serve --kv-cache-gib) is left room too.
+        let fixed = MemoryPlan::new(&PlanInputs {
+            kv_cache_bytes: Some(room + (4 << 30)),
+            ..bench_1_7b(&model, 79)
+        });
+        assert!(fixed.recomputed_layers > 0);
+        assert!(fixed.kv_cache_bytes().unwrap() >= room + (4 << 30));
+    }
+
+    #[test]
+    fn recompute_reads_booleans_auto_and_layer_counts() {
+        for (json, recompute) in [
+            ("true", Recompute::All),
+            ("false", Recompute::None),
+            ("\"auto\"", Recompute::Auto),
+            ("10", Recompute::Layers(10)),
+        ] {
+            assert_eq!(serde_json::from_str::<Recompute>(json).unwrap(), recompute);
+            assert_eq!(serde_json::to_string(&recompute).unwrap(), json);
+            let text = recompute.to_string();
+            assert_eq!(text.parse::<Recompute>().unwrap(), recompute);
+        }
+        for bad in ["-1", "\"some\"", "1.5", "null"] {
+            let err = serde_json::from_str::<Recompute>(bad)
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.contains("\"auto\" or a number of layers"),
+                "{bad}: {err}"
+            );
+        }
+        let err = "yes".parse::<Recompute>().unwrap_err();
+        assert!(err.contains("\"auto\" or a number of layers"), "{err}");
     }
 
     #[test]

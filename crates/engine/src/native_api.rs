@@ -67,8 +67,9 @@ fn embedded_tiny() -> String {
 pub struct EngineSettings {
     /// Most tokens in one training or scoring micro-batch.
     pub max_tokens_per_microbatch: Option<usize>,
-    /// Recompute activations in the backward.
-    pub recompute: Option<bool>,
+    /// Which layers' activations the backward recomputes: `true`, `false`, `"auto"` or
+    /// a number of layers.
+    pub recompute: Option<crate::memory_plan::Recompute>,
     /// Seed of sampling requests that bring none.
     pub seed: Option<u64>,
 }

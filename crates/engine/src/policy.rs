@@ -197,10 +197,10 @@ impl<B: Backend> Policy<B> {
         self.step
     }
 
-    /// Per-layer activation checkpointing of the backward (see
-    /// [`Transformer::set_recompute`]); changes memory, not results.
-    pub fn set_recompute(&mut self, recompute: bool) {
-        self.model.set_recompute(recompute);
+    /// Activation checkpointing of the backward's first `layers` layers (see
+    /// [`Transformer::set_recomputed_layers`]); changes memory, not results.
+    pub fn set_recomputed_layers(&mut self, layers: usize) {
+        self.model.set_recomputed_layers(layers);
     }
 
     /// Forward and backward of one micro-batch; gradients add to those already held.

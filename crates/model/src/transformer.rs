@@ -10,10 +10,11 @@
 //!   every backward accumulates into them, so micro-batches sum until [`Transformer::zero_grad`].
 //! - **Activations** (`Activations`): per call, `[T, …]` token-major. Training keeps the
 //!   residual stream entering each layer, and each layer's internals (`LayerActs`) for
-//!   every layer, or (with [`Transformer::set_recompute`]) for one layer at a time,
-//!   recomputed from the layer's input during the backward. They are reused while the
-//!   batch keeps its size. A scoring [`Transformer::forward`] keeps one layer's internals
-//!   and two residual buffers.
+//!   every layer, except that the first `r` layers ([`Transformer::set_recomputed_layers`])
+//!   keep none: the backward runs them again from their inputs, in the slot of layer
+//!   `r`, whose own backward has then already run. They are reused while the batch keeps
+//!   its size. A scoring [`Transformer::forward`] keeps one layer's internals and two
+//!   residual buffers.
 //!
 //! # Forward, per layer (`x` is the residual stream `[T, hidden]`)
 //! `ln1 = rmsnorm(x)` → `q, k, v = ln1·Wᵀ (+ bias)` → (`qk_norm`) per-head RMSNorm of q
@@ -319,7 +320,8 @@ struct GradScratch<Buf> {
     d_gate: Buf,
     /// `[T, intermediate]` gradient of `up`.
     d_up: Buf,
-    /// `[T, hidden]` output of a recomputed layer (unused; `recompute` only).
+    /// `[T, hidden]` output of a recomputed layer (unused; only when some layers are
+    /// recomputed).
     recompute_out: Option<Buf>,
 }
 
@@ -353,8 +355,9 @@ struct Activations<Buf> {
     /// `[L + 1] × [T, hidden]`: the input of each layer, then the last layer's output.
     /// A forward without backward keeps two and alternates (layer `l` reads `l % 2`).
     residual: Vec<Buf>,
-    /// Per-layer internals: `L` of them, or one reused by every layer (recompute, or a
-    /// forward without backward).
+    /// Per-layer internals: layer `l` uses slot `l - r` (saturating at 0), where `r =
+    /// L - slots` layers share slot 0 with layer `r` (recomputed in a backward; a forward
+    /// without backward keeps one slot).
     layers: Vec<LayerActs<Buf>>,
     /// `[T, hidden]` final RMSNorm output (the lm-head input).
     final_out: Buf,
@@ -403,14 +406,22 @@ impl<Buf> Activations<Buf> {
     }
 }
 
-/// Per-layer activation sets a training pass keeps: one reused by every layer when
-/// recomputing, else one per layer.
-fn training_layer_slots(config: &ModelConfig, recompute: bool) -> usize {
-    if recompute {
-        1
-    } else {
-        config.num_hidden_layers.max(1)
-    }
+/// The slot of layer `l`'s internals among `slots` (see [`Activations::layers`]).
+fn layer_slot(l: usize, num_layers: usize, slots: usize) -> usize {
+    l.saturating_sub(num_layers.saturating_sub(slots))
+}
+
+/// How many of `config`'s layers the backward can recompute: all but the last, whose
+/// internals are still in memory when the backward starts.
+pub fn max_recomputed_layers(config: &ModelConfig) -> usize {
+    config.num_hidden_layers.saturating_sub(1)
+}
+
+/// Per-layer activation sets a training pass keeps when the first `recomputed` layers are
+/// recomputed (at most [`max_recomputed_layers`]): one per stored layer, the first of
+/// which the recomputed layers share.
+fn training_layer_slots(config: &ModelConfig, recomputed: usize) -> usize {
+    config.num_hidden_layers.max(1) - recomputed
 }
 
 /// How a layer's attention finds its keys and values.
@@ -486,8 +497,9 @@ pub struct Transformer<B: Backend> {
     pub(crate) lora: Option<Lora<B::Buf>>,
     /// `[head_dim / 2]` (Full) RoPE inverse frequencies.
     pub(crate) inv_freq: B::Buf,
-    /// Keep only layer inputs and recompute each layer in the backward.
-    recompute: bool,
+    /// The first this many layers keep only their inputs and run again in the backward
+    /// (at most [`max_recomputed_layers`]).
+    recomputed_layers: usize,
     /// Training activations, reused while the batch size stays the same.
     acts: Option<Activations<B::Buf>>,
     /// Most logits one lm-head chunk may hold.
@@ -616,7 +628,7 @@ impl<B: Backend> Transformer<B> {
             grads: None,
             lora: None,
             inv_freq,
-            recompute: false,
+            recomputed_layers: 0,
             acts: None,
             lm_head_chunk_logits,
         })
@@ -637,7 +649,7 @@ impl<B: Backend> Transformer<B> {
             inv_freq: self
                 .backend
                 .upload(&rope_inv_freq(&self.config), BufKind::Full)?,
-            recompute: self.recompute,
+            recomputed_layers: self.recomputed_layers,
             acts: None,
             lm_head_chunk_logits: self.lm_head_chunk_logits,
         })
@@ -787,13 +799,23 @@ impl<B: Backend> Transformer<B> {
         &self.backend
     }
 
-    /// Per-layer activation checkpointing: keep only each layer's input and recompute the
-    /// layer during the backward. Changes memory, not results.
-    pub fn set_recompute(&mut self, recompute: bool) {
-        if recompute != self.recompute {
-            self.recompute = recompute;
+    /// Activation checkpointing of the first `layers` layers: they keep only their input
+    /// and run again during the backward, capped at [`max_recomputed_layers`] (so
+    /// `usize::MAX` recomputes all that can be). Each one saves one layer's internals
+    /// and costs one layer's forward; which layers they are does not matter for either,
+    /// and the first ones can share the slot of the first stored layer. Changes memory
+    /// and time, not results.
+    pub fn set_recomputed_layers(&mut self, layers: usize) {
+        let layers = layers.min(max_recomputed_layers(&self.config));
+        if layers != self.recomputed_layers {
+            self.recomputed_layers = layers;
             self.acts = None;
         }
+    }
+
+    /// How many layers the backward recomputes ([`Transformer::set_recomputed_layers`]).
+    pub fn recomputed_layers(&self) -> usize {
+        self.recomputed_layers
     }
 
     /// The weights forwards read: the Compute copies, or the masters when they coincide.
@@ -1157,8 +1179,8 @@ impl<B: Backend> Transformer<B> {
         Ok(())
     }
 
-    /// Embedding, every layer, final norm and lm-head; internals of layer `l` go to
-    /// `acts.layers[l]` when there is a slot per layer, else to the single shared slot.
+    /// Embedding, every layer, final norm and lm-head; internals of layer `l` go to its
+    /// slot (see [`Activations::layers`]).
     fn run_forward(
         &self,
         acts: &mut Activations<B::Buf>,
@@ -1174,11 +1196,10 @@ impl<B: Backend> Transformer<B> {
         let w = self.weights();
         let covered: usize = batch.segments.iter().map(|s| s.len as usize).sum();
         b.embedding_forward(&mut acts.residual[0], &w.embed, ids, h)?;
-        let per_layer = acts.layers.len() > 1;
         let kept = acts.residual.len();
         for (l, wl) in w.layers.iter().enumerate() {
+            let slot = layer_slot(l, c.num_hidden_layers, acts.layers.len());
             let (x, out) = input_output(&mut acts.residual, l % kept, (l + 1) % kept);
-            let slot = if per_layer { l } else { 0 };
             let attend = Attend::Packed {
                 segments: &batch.segments,
                 uncovered_rows: covered < t,
@@ -1257,10 +1278,11 @@ impl<B: Backend> Transformer<B> {
     /// of `tokens`, as the same constructors allocate them, with `element_bytes` per
     /// element of each buffer kind (see [`Backend::element_bytes`]). Not counted: the
     /// backend's own workspaces (lm-head chunks, GEMM workspace).
+    /// `recomputed_layers` is capped as [`Transformer::set_recomputed_layers`] caps it.
     pub fn training_activation_bytes(
         config: &ModelConfig,
         tokens: usize,
-        recompute: bool,
+        recomputed_layers: usize,
         element_bytes: &dyn Fn(BufKind) -> usize,
     ) -> usize {
         let mut bytes = 0;
@@ -1268,8 +1290,9 @@ impl<B: Backend> Transformer<B> {
             bytes += n * element_bytes(kind);
             Ok(())
         };
-        let slots = training_layer_slots(config, recompute);
-        Activations::new(&mut count, config, tokens, slots, Some(recompute))
+        let recomputed = recomputed_layers.min(max_recomputed_layers(config));
+        let slots = training_layer_slots(config, recomputed);
+        Activations::new(&mut count, config, tokens, slots, Some(recomputed > 0))
             .expect("counting never fails");
         bytes
     }
@@ -1296,8 +1319,8 @@ impl<B: Backend> Transformer<B> {
                     &mut zeros,
                     &self.config,
                     t,
-                    training_layer_slots(&self.config, self.recompute),
-                    Some(self.recompute),
+                    training_layer_slots(&self.config, self.recomputed_layers),
+                    Some(self.recomputed_layers > 0),
                 )?
             }
         };
@@ -1438,9 +1461,10 @@ impl<B: Backend> Transformer<B> {
         )?;
         let covered: usize = batch.segments.iter().map(|s| s.len as usize).sum();
         for l in (0..c.num_hidden_layers).rev() {
-            let slot = if layers.len() > 1 { l } else { 0 };
-            // The shared slot still holds the last layer's internals from the forward.
-            if self.recompute && l + 1 < c.num_hidden_layers {
+            let slot = layer_slot(l, c.num_hidden_layers, layers.len());
+            // Slot 0 holds the internals of layer `recomputed_layers` from the forward;
+            // the layers below it are run again into it once that layer's backward ran.
+            if l < self.recomputed_layers {
                 let out = s
                     .recompute_out
                     .as_mut()

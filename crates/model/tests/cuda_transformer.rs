@@ -218,7 +218,7 @@ fn train_step_throughput() {
         .collect();
     let batch = PackedBatch::from_sequences(&seqs).unwrap();
     for recompute in [false, true] {
-        m.set_recompute(recompute);
+        m.set_recomputed_layers(if recompute { usize::MAX } else { 0 });
         for step in 0..3 {
             let start = std::time::Instant::now();
             let t = batch.len();

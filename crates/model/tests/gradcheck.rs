@@ -262,23 +262,53 @@ fn prompt_sharing_equals_unshared_packing() {
 }
 
 #[test]
-fn recompute_changes_memory_not_gradients() {
-    let config = ModelConfig::test_shape(Architecture::Qwen3);
+fn recomputing_any_number_of_layers_changes_memory_not_gradients() {
+    // Four layers, so some are recomputed and some stored.
+    let config = ModelConfig {
+        num_hidden_layers: 4,
+        ..ModelConfig::test_shape(Architecture::Qwen3)
+    };
     let mut rng = Rng::new(31);
     let batch = mixed_batch(&mut rng, 32);
     let a: Vec<f64> = (0..batch.len()).map(|_| rng.uniform()).collect();
     let c: Vec<f64> = (0..batch.len()).map(|_| rng.uniform()).collect();
-    let mut plain = model(&config, 4);
-    let mut recomputed = model(&config, 4);
-    recomputed.set_recompute(true);
-    let sp = backward(&mut plain, &batch, 1.0, &a, &c);
-    let sr = backward(&mut recomputed, &batch, 1.0, &a, &c);
-    assert_eq!(sp, sr);
-    assert_eq!(
-        grads(&mut plain),
-        grads(&mut recomputed),
-        "bit-identical gradients"
-    );
+    // Two micro-batches, so the second reuses the activations the first allocated.
+    let run = |recomputed: usize| {
+        let mut m = model(&config, 4);
+        m.set_recomputed_layers(recomputed);
+        let stats = [
+            backward(&mut m, &batch, 1.0, &a, &c),
+            backward(&mut m, &batch, 0.5, &c, &a),
+        ];
+        (m.recomputed_layers(), stats, grads(&mut m))
+    };
+    let (_, stored_stats, stored_grads) = run(0);
+    // None, some, all (3 of 4: the last layer's internals are still there), and a count
+    // past all, which recomputes all.
+    for (asked, recomputed) in [(1, 1), (2, 2), (3, 3), (usize::MAX, 3)] {
+        let (actual, stats, grads) = run(asked);
+        assert_eq!(actual, recomputed);
+        assert_eq!(
+            stats, stored_stats,
+            "{recomputed} recomputed: log-probs and entropies"
+        );
+        for (name, stored) in &stored_grads {
+            assert_eq!(
+                &grads[name], stored,
+                "{recomputed} recomputed: bit-identical gradient of {name}"
+            );
+        }
+    }
+    let bytes = |recomputed| {
+        Transformer::<B>::training_activation_bytes(&config, batch.len(), recomputed, &|_| 8)
+    };
+    // Each recomputed layer saves one layer's internals; the first one also needs a
+    // buffer for the output it recomputes.
+    let layer = bytes(2) - bytes(3);
+    assert!(layer > 0);
+    assert_eq!(bytes(1) - bytes(2), layer);
+    assert!(bytes(0) - bytes(1) < layer);
+    assert_eq!(bytes(3), bytes(usize::MAX));
 }
 
 #[test]

@@ -14,7 +14,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 use std::path::{Path, PathBuf};
 
-use floe_engine::Device;
+use floe_engine::{Device, Recompute};
 use floe_env::dataset::Row;
 use floe_env::synth_sql::Holdout;
 use floe_rl::{AdvantageEstimator, LossReduction, RlError};
@@ -526,8 +526,12 @@ impl Default for ChatTemplateOptions {
 pub struct EngineConfig {
     /// `cpu` or `cuda:N`.
     pub device: Device,
-    /// Recompute activations in the backward pass instead of storing them (less memory).
-    pub recompute: bool,
+    /// Which layers' activations the backward recomputes instead of storing (less memory,
+    /// a layer's forward more per recomputed layer, same results): `false` none, `true`
+    /// all, `N` the first N, `"auto"` the fewest that leave the sampler's KV cache room
+    /// for the run's concurrent samples at their longest (none on the CPU). `floe plan`
+    /// prints the choice.
+    pub recompute: Recompute,
     /// CPU threads; 0 uses every core.
     pub threads: usize,
     /// Fraction of device memory the engine may use (weights, optimiser, KV cache).
@@ -548,7 +552,7 @@ impl Default for EngineConfig {
     fn default() -> Self {
         Self {
             device: Device::Cpu,
-            recompute: false,
+            recompute: Recompute::Auto,
             threads: 0,
             memory_fraction: 0.8,
             remote: None,

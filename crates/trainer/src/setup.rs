@@ -26,7 +26,9 @@ pub const TOKENIZER_DIR: &str = "tokenizer";
 /// The local engine's options a run's config implies. The micro-batch token budget is
 /// `trainer.max_tokens_per_microbatch`, or, when that is `-1`,
 /// `micro_train_batch_size_per_gpu` sequences of the longest length the run can
-/// produce; either way at least one longest sequence, so every rollout fits.
+/// produce; either way at least one longest sequence, so every rollout fits. The KV cache
+/// that `engine.recompute = "auto"` keeps room for holds as many longest sequences as the
+/// sampler runs at once for a training or an eval batch.
 pub fn engine_options(config: &Config) -> LocalEngineOptions {
     let trainer = &config.trainer;
     let generator = &config.generator;
@@ -44,10 +46,15 @@ pub fn engine_options(config: &Config) -> LocalEngineOptions {
     } else {
         trainer.micro_train_batch_size_per_gpu.max(1) * longest
     };
+    let defaults = LocalEngineOptions::default();
+    let concurrent_samples = (trainer.train_batch_size * generator.n_samples_per_prompt)
+        .max(trainer.eval_batch_size * generator.eval_n_samples_per_prompt)
+        .min(defaults.max_running_seqs);
     LocalEngineOptions {
         device: config.engine.device,
         threads: config.engine.threads,
         recompute: config.engine.recompute,
+        kv_cache_tokens_wanted: concurrent_samples * longest,
         max_tokens_per_microbatch: budget.max(longest),
         memory_fraction: config.engine.memory_fraction,
         optimizer_placement: if config.engine.offload_optimizer {
@@ -56,7 +63,7 @@ pub fn engine_options(config: &Config) -> LocalEngineOptions {
             OptimizerPlacement::Device
         },
         seed: trainer.seed,
-        ..LocalEngineOptions::default()
+        ..defaults
     }
 }
 
@@ -230,6 +237,8 @@ pub fn memory_plan(config: &Config, device_bytes: Option<usize>) -> Result<Memor
         device: options.device,
         placement: options.optimizer_placement,
         recompute: options.recompute,
+        kv_cache_tokens_wanted: options.kv_cache_tokens_wanted,
+        kv_cache_bytes: options.kv_cache_bytes,
         max_tokens_per_microbatch: options.max_tokens_per_microbatch,
         budget_bytes: device_bytes.map(|bytes| (bytes as f64 * options.memory_fraction) as usize),
         reserved_by_others: 0,

@@ -2,7 +2,7 @@
 
 use std::path::Path;
 
-use floe_engine::Device;
+use floe_engine::{Device, Recompute};
 use floe_env::dataset::Row;
 use floe_trainer::config::{Config, ConfigError, Logger, Resume, Scheduler, EFFECTIVE_CONFIG_FILE};
 
@@ -190,6 +190,33 @@ fn type_error_names_key_origin_and_expected_type() {
         "{message}"
     );
     assert!(message.contains("cosine"), "{message}");
+}
+
+#[test]
+fn recompute_takes_booleans_auto_and_a_layer_count() {
+    assert_eq!(Config::default().engine.recompute, Recompute::Auto);
+    let recompute = |value: &str| {
+        Config::load(None, &overrides(&[&format!("engine.recompute={value}")]))
+            .map(|config| config.engine.recompute)
+    };
+    assert_eq!(recompute("true").unwrap(), Recompute::All);
+    assert_eq!(recompute("false").unwrap(), Recompute::None);
+    assert_eq!(recompute("auto").unwrap(), Recompute::Auto);
+    assert_eq!(recompute("\"auto\"").unwrap(), Recompute::Auto);
+    assert_eq!(recompute("10").unwrap(), Recompute::Layers(10));
+    let message = recompute("some").unwrap_err().to_string();
+    assert!(
+        message.starts_with("bad value for 'engine.recompute' (in override #1)"),
+        "{message}"
+    );
+    assert!(
+        message.contains("\"auto\" or a number of layers"),
+        "{message}"
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let recipe = write_recipe(dir.path(), "r.toml", "[engine]\nrecompute = true\n");
+    let config = Config::load(Some(&recipe), &[]).unwrap();
+    assert_eq!(config.engine.recompute, Recompute::All);
 }
 
 #[test]

@@ -155,6 +155,44 @@ fn every_recipe_validates_8b_fits_an_80_gb_card_with_a_host_optimizer_and_32b_lo
 }
 
 #[test]
+fn auto_recompute_keeps_the_kv_cache_a_run_samples_with() {
+    let recipe =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../recipes/qwen3-1.7b-bird.toml");
+    let plan = |overrides: &[&str]| {
+        let overrides: Vec<String> = ["model.path=embedded:1.7B", "engine.recompute=auto"]
+            .iter()
+            .chain(overrides)
+            .map(|o| o.to_string())
+            .collect();
+        let config = floe_trainer::Config::load(Some(&recipe), &overrides).unwrap();
+        let plan = floe_trainer::setup::memory_plan(&config, Some(80_000_000_000)).unwrap();
+        plan.check().unwrap_or_else(|e| panic!("{e}"));
+        plan
+    };
+    // 256 samples at once of up to 36,864 tokens want more KV cache than the card has:
+    // every layer is recomputed, as `recompute = true` does.
+    let recipe_plan = plan(&[]);
+    assert_eq!(recipe_plan.recomputed_layers, 27, "{recipe_plan}");
+    // 16 samples of up to 4,096 tokens want 7 GiB: most layers are stored.
+    let short = plan(&[
+        "trainer.train_batch_size=4",
+        "trainer.policy_mini_batch_size=4",
+        "generator.n_samples_per_prompt=4",
+        "trainer.eval_batch_size=16",
+        "trainer.max_prompt_length=2048",
+        "generator.sampling_params.max_generate_length=2048",
+        "generator.eval_sampling_params.max_generate_length=2048",
+        "trainer.max_tokens_per_microbatch=8192",
+    ]);
+    assert!(short.recomputed_layers < 27, "{short}");
+    assert!(short.kv_cache_bytes().unwrap() >= 16 * 4096 * 2 * 28 * 1024 * 2);
+    // On the CPU nothing is recomputed.
+    let cpu = floe_trainer::Config::load(None, &[]).unwrap();
+    let cpu_plan = floe_trainer::setup::memory_plan(&cpu, None).unwrap();
+    assert_eq!(cpu_plan.recomputed_layers, 0);
+}
+
+#[test]
 fn a_checkpoint_the_disk_cannot_hold_is_refused_naming_the_numbers_and_knobs() {
     use floe_trainer::setup::{check_checkpoint_space, checkpoint_bytes};
     let dir = tempfile::tempdir().unwrap();

@@ -18,7 +18,7 @@ use floe_backend::sampling::GAMMA;
 use floe_backend::Backend;
 use floe_engine::policy::{OptimParams, OptimizerPlacement, Policy};
 use floe_engine::Device;
-use floe_engine::{MemoryPlan, PlanInputs};
+use floe_engine::{MemoryPlan, PlanInputs, Recompute};
 use floe_engine::{SampleRequest, Sampler, SamplerConfig, SamplingParams};
 use floe_model::batch::PackedBatch;
 use floe_model::transformer::Transformer;
@@ -67,10 +67,12 @@ pub struct Args {
     /// New tokens per generated sequence.
     #[arg(long, default_value_t = 256)]
     new: usize,
-    /// Recompute activations in the backward (the peer's gradient checkpointing);
-    /// `--recompute=false` keeps them.
-    #[arg(long, default_value_t = true, num_args = 0..=1, default_missing_value = "true")]
-    recompute: bool,
+    /// Which layers' activations the backward recomputes (train; `engine.recompute`):
+    /// `true` all (the peer's gradient checkpointing), `false` none, `auto` the fewest
+    /// that fit the device's free memory, or a number of layers. The plan printed first
+    /// says how many.
+    #[arg(long, default_value = "true", num_args = 0..=1, default_missing_value = "true")]
+    recompute: Recompute,
     /// Most tokens per sampler step (prefill chunks plus decodes).
     #[arg(long, default_value_t = 8192)]
     max_tokens_per_step: usize,
@@ -184,6 +186,8 @@ fn bench<B: Backend>(
     }
     let device = backend.name();
     let params = config.num_parameters();
+    let num_layers = config.num_hidden_layers;
+    let mut recomputed_layers = 0;
     if args.mode == Mode::Train {
         let placement = if args.offload_optimizer {
             OptimizerPlacement::Host
@@ -197,12 +201,16 @@ fn bench<B: Backend>(
             device: args.device,
             placement,
             recompute: args.recompute,
+            // No sampler runs, so the KV cache needs no room.
+            kv_cache_tokens_wanted: 0,
+            kv_cache_bytes: None,
             max_tokens_per_microbatch: batches.iter().max().copied().unwrap_or(1) * args.seq,
             budget_bytes: backend.memory_info().map(|(free, _)| free),
             reserved_by_others: 0,
         });
         eprintln!("{plan}");
         plan.check()?;
+        recomputed_layers = plan.recomputed_layers;
     }
     let loading = Instant::now();
     let model = load_model(Arc::clone(&backend), config, dir.as_ref())?;
@@ -222,9 +230,12 @@ fn bench<B: Backend>(
             if args.offload_optimizer {
                 policy.set_optimizer_placement(OptimizerPlacement::Host)?;
             }
-            policy.set_recompute(args.recompute);
+            policy.set_recomputed_layers(recomputed_layers);
             for &batch in &batches {
-                results.push(bench_train(&mut policy, args, batch, profiler.as_deref())?);
+                let mut result = bench_train(&mut policy, args, batch, profiler.as_deref())?;
+                result["recomputed_layers"] = json!(recomputed_layers);
+                result["recomputed"] = json!(format!("{recomputed_layers}/{num_layers}"));
+                results.push(result);
             }
         }
         Mode::Generate => {
@@ -351,7 +362,7 @@ fn bench_train<B: Backend>(
         "mode": "train",
         "batch": batch,
         "seq": args.seq,
-        "recompute": args.recompute,
+        "recompute": args.recompute.to_string(),
         "offload_optimizer": args.offload_optimizer,
         "tok_s": tok_s,
         "step_s": step_s,
@@ -436,7 +447,7 @@ fn print_table(mode: Mode, results: &[Value]) {
         Mode::Train => {
             println!(
                 "{:<8} {:>6} {:>6} {:>10} {:>12} {:>9}",
-                "model", "batch", "seq", "recompute", "tokens/s", "step s"
+                "model", "batch", "seq", "recomputed", "tokens/s", "step s"
             );
             for r in results {
                 println!(
@@ -444,7 +455,7 @@ fn print_table(mode: Mode, results: &[Value]) {
                     r["model"].as_str().unwrap_or("?"),
                     field(r, "batch"),
                     field(r, "seq"),
-                    field(r, "recompute"),
+                    r["recomputed"].as_str().unwrap_or("?"),
                     r["tok_s"].as_f64().unwrap_or(0.0),
                     r["step_s"].as_f64().unwrap_or(0.0),
                 );

@@ -9,7 +9,7 @@ use std::time::Duration;
 use anyhow::bail;
 use floe_engine::policy::OptimizerPlacement;
 use floe_engine::Device;
-use floe_engine::LocalEngineOptions;
+use floe_engine::{LocalEngineOptions, Recompute};
 use floe_server::{ApiKeys, Auth, Catalog, ServerConfig};
 
 /// Environment variable with comma-separated accepted API keys.
@@ -60,9 +60,12 @@ pub struct Args {
     /// Most tokens in one training micro-batch (a client's engine setting overrides it).
     #[arg(long, default_value_t = 4096)]
     max_tokens_per_microbatch: usize,
-    /// Recompute activations in the backward (less memory, about a third more compute).
-    #[arg(long)]
-    recompute: bool,
+    /// Which layers' activations each engine's backward recomputes (less memory, a layer's
+    /// forward more per recomputed layer): `auto` the fewest that fit beside the KV cache's
+    /// minimum or `--kv-cache-gib`, `true` (or the bare flag) all, `false` none, or a
+    /// number of layers. A client's engine setting `recompute` overrides it.
+    #[arg(long, default_value = "auto", num_args = 0..=1, default_missing_value = "true")]
+    recompute: Recompute,
     /// Keep f32 master weights and AdamW moments of full-parameter engines in host
     /// memory (an 8B model on one 80 GB card).
     #[arg(long)]
