@@ -33,6 +33,14 @@ pub enum Error {
         /// Bytes free when asked.
         free: usize,
     },
+    /// A collective op failed: a rank did not arrive, the ranks disagree, or NCCL failed.
+    #[error("{op}: {msg}")]
+    Collective {
+        /// The collective op.
+        op: &'static str,
+        /// What happened, naming the ranks concerned.
+        msg: String,
+    },
     /// floe was built without the `cuda` feature.
     #[error("this floe was built without CUDA support; rebuild with `--features cuda`")]
     NotCompiledWithCuda,

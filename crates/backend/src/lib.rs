@@ -26,6 +26,7 @@
 
 #![deny(missing_docs)]
 
+pub mod collective;
 pub mod contract;
 pub mod cpu;
 pub mod cuda;
@@ -33,6 +34,7 @@ mod error;
 mod host_adamw;
 pub mod sampling;
 
+pub use collective::{Collective, InProcessCollective};
 pub use error::{Error, Result};
 
 /// The role of a buffer; each backend decides how each role is stored.

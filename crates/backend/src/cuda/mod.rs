@@ -10,6 +10,8 @@
 //!   first use) and the row-major GEMM wrapper over `cublasGemmEx`.
 //! - `ops.rs`: the [`crate::Backend`] implementation: host-side checks (the shapes by
 //!   [`crate::contract`]), then launches.
+//! - `nccl.rs`: [`NcclCollective`], the [`crate::Collective`] ops over NCCL on the
+//!   backend's stream.
 //! - `attention.rs`: the work lists (query tiles, key tiles and the query ranges that
 //!   read each key tile) of the packed-segment attention kernels.
 //! - `kernels/`: CUDA C sources, one file per family of ops, each with its reference in
@@ -20,14 +22,18 @@ mod attention;
 #[cfg(feature = "cuda")]
 mod device;
 #[cfg(feature = "cuda")]
+mod nccl;
+#[cfg(feature = "cuda")]
 mod ops;
 #[cfg(not(feature = "cuda"))]
 mod stub;
 
 #[cfg(feature = "cuda")]
 pub use device::{CudaBackend, CudaBuf};
+#[cfg(feature = "cuda")]
+pub use nccl::{NcclCollective, NCCL_ID_BYTES};
 #[cfg(not(feature = "cuda"))]
-pub use stub::{CudaBackend, CudaBuf};
+pub use stub::{CudaBackend, CudaBuf, NcclCollective, NCCL_ID_BYTES};
 
 /// Bytes one element of a buffer of `kind` takes on a CUDA device (bf16 Compute, f32
 /// Full, u32 Index); known without a device, for memory plans.

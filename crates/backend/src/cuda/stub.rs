@@ -364,3 +364,57 @@ impl Backend for CudaBackend {
         match *self {}
     }
 }
+
+/// Bytes of NCCL's unique id.
+pub const NCCL_ID_BYTES: usize = 128;
+
+/// Uninhabited without the `cuda` feature: [`NcclCollective::new`] always fails.
+#[derive(Debug)]
+pub enum NcclCollective {}
+
+impl NcclCollective {
+    /// Always [`Error::NotCompiledWithCuda`].
+    pub fn unique_id() -> Result<[u8; NCCL_ID_BYTES]> {
+        Err(Error::NotCompiledWithCuda)
+    }
+
+    /// Always [`Error::NotCompiledWithCuda`].
+    pub fn new(
+        _backend: &CudaBackend,
+        _rank: usize,
+        _world_size: usize,
+        _id: &[u8],
+    ) -> Result<Self> {
+        Err(Error::NotCompiledWithCuda)
+    }
+}
+
+impl crate::Collective<CudaBackend> for NcclCollective {
+    fn rank(&self) -> usize {
+        match *self {}
+    }
+
+    fn world_size(&self) -> usize {
+        match *self {}
+    }
+
+    fn all_reduce_sum(&self, _buf: &mut CudaBuf) -> Result<()> {
+        match *self {}
+    }
+
+    fn all_gather(&self, _send: &CudaBuf, _recv: &mut CudaBuf) -> Result<()> {
+        match *self {}
+    }
+
+    fn reduce_scatter_sum(&self, _send: &CudaBuf, _recv: &mut CudaBuf) -> Result<()> {
+        match *self {}
+    }
+
+    fn broadcast(&self, _buf: &mut CudaBuf, _root: usize) -> Result<()> {
+        match *self {}
+    }
+
+    fn barrier(&self) -> Result<()> {
+        match *self {}
+    }
+}
