@@ -48,16 +48,10 @@ use crate::state::AppState;
 /// Header carrying the client's API key.
 pub const API_KEY_HEADER: &str = "x-api-key";
 
-/// The router of every route over fresh state, batching samples up to the default
-/// [`SampleBatchLimits`].
+/// The router of every route over fresh state.
 pub fn router(config: ServerConfig) -> Router {
-    router_with_batch_limits(config, SampleBatchLimits::default())
-}
-
-/// [`router`] with engines that batch samples up to `batch_limits`.
-pub fn router_with_batch_limits(config: ServerConfig, batch_limits: SampleBatchLimits) -> Router {
     let max_body = config.max_body_bytes;
-    let app: AppRef = Arc::new(AppState::new(config, batch_limits));
+    let app: AppRef = Arc::new(AppState::new(config));
     spawn_expiry(&app);
     let api = Router::new()
         .route("/client/config", post(routes::client_config))
@@ -127,15 +121,6 @@ pub fn router_with_batch_limits(config: ServerConfig, batch_limits: SampleBatchL
 /// Serves [`router`] on `listener` until the process ends. An insecure (keyless) server
 /// must listen on a loopback address.
 pub async fn serve(listener: tokio::net::TcpListener, config: ServerConfig) -> anyhow::Result<()> {
-    serve_with_batch_limits(listener, config, SampleBatchLimits::default()).await
-}
-
-/// [`serve`] with engines that batch samples up to `batch_limits`.
-pub async fn serve_with_batch_limits(
-    listener: tokio::net::TcpListener,
-    config: ServerConfig,
-    batch_limits: SampleBatchLimits,
-) -> anyhow::Result<()> {
     let addr = listener.local_addr()?;
     match &config.auth {
         Auth::InsecureLoopback if !addr.ip().is_loopback() => {
@@ -147,7 +132,7 @@ pub async fn serve_with_batch_limits(
         _ => {}
     }
     tracing::info!("floe serve listening on http://{addr}/api/v1");
-    axum::serve(listener, router_with_batch_limits(config, batch_limits)).await?;
+    axum::serve(listener, router(config)).await?;
     Ok(())
 }
 

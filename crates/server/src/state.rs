@@ -51,6 +51,8 @@ pub struct ServerConfig {
     pub max_body_bytes: usize,
     /// Most unfinished requests per engine before answering 429.
     pub max_queued_per_engine: usize,
+    /// How large one engine's batch of concurrent sample requests may grow.
+    pub sample_batch: SampleBatchLimits,
 }
 
 /// A client session.
@@ -163,22 +165,19 @@ pub struct AppState {
     registry: Mutex<Registry>,
     /// The base weights LoRA models read, one copy per base model name.
     shared_bases: Mutex<HashMap<String, SharedBase>>,
-    /// How large one engine's sample batch may grow.
-    batch_limits: SampleBatchLimits,
     /// The sample batches of every engine.
     pub sample_stats: Arc<SampleStats>,
 }
 
 impl AppState {
-    /// Fresh state whose engines batch samples up to `batch_limits`.
-    pub fn new(config: ServerConfig, batch_limits: SampleBatchLimits) -> Self {
+    /// Fresh state.
+    pub fn new(config: ServerConfig) -> Self {
         let futures = Arc::new(Futures::new(config.future_expiry));
         Self {
             config,
             futures,
             registry: Mutex::new(Registry::default()),
             shared_bases: Mutex::new(HashMap::new()),
-            batch_limits,
             sample_stats: Arc::default(),
         }
     }
@@ -188,7 +187,7 @@ impl AppState {
         WorkerContext {
             futures: Arc::clone(&self.futures),
             max_queued: self.config.max_queued_per_engine,
-            batch_limits: self.batch_limits,
+            batch_limits: self.config.sample_batch,
             sample_stats: Arc::clone(&self.sample_stats),
         }
     }

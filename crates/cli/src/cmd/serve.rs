@@ -10,7 +10,7 @@ use anyhow::bail;
 use floe_engine::policy::OptimizerPlacement;
 use floe_engine::Device;
 use floe_engine::{LocalEngineOptions, Recompute};
-use floe_server::{ApiKeys, Auth, Catalog, ServerConfig};
+use floe_server::{ApiKeys, Auth, Catalog, SampleBatchLimits, ServerConfig};
 
 /// Environment variable with comma-separated accepted API keys.
 const API_KEYS_ENV: &str = "FLOE_API_KEYS";
@@ -86,6 +86,13 @@ pub struct Args {
     /// Unfinished requests per model before answering 429.
     #[arg(long, default_value_t = 1024)]
     max_queued: usize,
+    /// Most samples (`n` summed over requests) in one engine's batch of concurrent sample
+    /// requests; later requests wait for the next batch.
+    #[arg(long, default_value_t = SampleBatchLimits::default().max_samples)]
+    max_batch_samples: usize,
+    /// Most KV positions (`n × (prompt + max new tokens)` summed) in one such batch.
+    #[arg(long, default_value_t = SampleBatchLimits::default().max_tokens)]
+    max_batch_tokens: usize,
 }
 
 /// Runs `floe serve` until the process is stopped.
@@ -101,6 +108,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         .is_some_and(|gib| gib.is_nan() || gib <= 0.0)
     {
         bail!("--kv-cache-gib must be a positive number of GiB");
+    }
+    if args.max_batch_samples == 0 || args.max_batch_tokens == 0 {
+        bail!("--max-batch-samples and --max-batch-tokens must be positive");
     }
     if args.max_tokens_per_microbatch == 0 {
         bail!("--max-tokens-per-microbatch must be positive");
@@ -141,6 +151,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         session_expiry: Duration::from_secs(args.session_expiry_secs),
         max_body_bytes: args.max_body_mib << 20,
         max_queued_per_engine: args.max_queued.max(1),
+        sample_batch: SampleBatchLimits {
+            max_samples: args.max_batch_samples,
+            max_tokens: args.max_batch_tokens,
+        },
     };
     floe_server::serve_blocking(&args.host, args.port, config)
 }

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use floe_engine::LocalEngineOptions;
-use floe_server::{proto, ApiKeys, Auth, Catalog, ServerConfig};
+use floe_server::{proto, ApiKeys, Auth, Catalog, SampleBatchLimits, ServerConfig};
 
 /// The key the test servers accept.
 pub const KEY: &str = "tml-test-key";
@@ -45,6 +45,7 @@ pub fn config(data_dir: &Path) -> ServerConfig {
         session_expiry: Duration::from_secs(600),
         max_body_bytes: 1 << 20,
         max_queued_per_engine: 64,
+        sample_batch: SampleBatchLimits::default(),
     }
 }
 
