@@ -70,6 +70,9 @@ pub struct EngineSettings {
     /// Which layers' activations the backward recomputes: `true`, `false`, `"auto"` or
     /// a number of layers.
     pub recompute: Option<crate::memory_plan::Recompute>,
+    /// KV-cache tokens the client's sampling wants (its concurrent samples times their
+    /// longest sequence), so `recompute = "auto"` leaves room for them.
+    pub kv_cache_tokens_wanted: Option<usize>,
     /// Seed of sampling requests that bring none.
     pub seed: Option<u64>,
 }

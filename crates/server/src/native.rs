@@ -404,6 +404,9 @@ fn engine_options(native: &Native, settings: &EngineSettings) -> floe_engine::Lo
     if let Some(recompute) = settings.recompute {
         options.recompute = recompute;
     }
+    if let Some(tokens) = settings.kv_cache_tokens_wanted {
+        options.kv_cache_tokens_wanted = tokens;
+    }
     if let Some(seed) = settings.seed {
         options.seed = seed;
     }

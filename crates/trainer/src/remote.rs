@@ -54,6 +54,7 @@ pub fn connect_for_run(
     let settings = EngineSettings {
         max_tokens_per_microbatch: Some(options.max_tokens_per_microbatch),
         recompute: Some(options.recompute),
+        kv_cache_tokens_wanted: Some(options.kv_cache_tokens_wanted),
         seed: Some(options.seed),
     };
     let tokenizer_dir = run_dir.join(TOKENIZER_DIR);
