@@ -81,6 +81,7 @@
 #![deny(missing_docs)]
 
 mod admission;
+mod data_parallel;
 mod device;
 mod error;
 pub mod kv_blocks;

@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 
 use floe_backend::cpu::CpuBackend;
 use floe_backend::cuda::CudaBackend;
-use floe_backend::Backend;
+use floe_backend::{Backend, Collective};
 use floe_model::batch::TokenStats;
 use floe_model::lora::{load_adapter_dir, read_adapter_config, LoraConfig};
 use floe_model::tokenizer::Tokenizer;
@@ -34,6 +34,7 @@ use floe_rl::tinker::{tinker_loss, TinkerInputs, TinkerLoss, TinkerLossConfig};
 use floe_rl::{compute_policy_loss, AlgorithmConfig, GlobalNorm, LossInputs};
 
 use crate::admission::{Gate, Reservation};
+use crate::data_parallel::DataParallel;
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::memory_plan::{MemoryPlan, PlanInputs, Recompute};
@@ -293,6 +294,8 @@ pub struct LocalEngine<B: Backend> {
     plan: MemoryPlan,
     /// The device memory kept free for this engine's steps (GPU engines).
     admission: Option<Reservation>,
+    /// The data-parallel group this engine is one rank of, if any.
+    data_parallel: Option<DataParallel<B>>,
 }
 
 impl<B: Backend> LocalEngine<B> {
@@ -303,6 +306,34 @@ impl<B: Backend> LocalEngine<B> {
         source: ModelSource,
         tokenizer: Option<Tokenizer>,
         options: LocalEngineOptions,
+    ) -> Result<Self> {
+        Self::build(backend, source, tokenizer, options, None)
+    }
+
+    /// An engine that is rank `collective.rank()` of a data-parallel group (DDP
+    /// semantics; `docs/distributed.md`): it starts from rank 0's weights, each
+    /// `forward_backward` takes this rank's share of the mini-batch (every rank calls it,
+    /// a rank with no share with no groups) and reports the whole mini-batch's loss and
+    /// metrics, and each `optim_step` applies the step one engine would take on the
+    /// whole mini-batch, the same on every rank. Every rank calls the training verbs in
+    /// the same order; sampling and scoring stay per rank. Errors on one rank fail the
+    /// group's next collective on the others.
+    pub fn new_data_parallel(
+        backend: Arc<B>,
+        source: ModelSource,
+        tokenizer: Option<Tokenizer>,
+        options: LocalEngineOptions,
+        collective: Arc<dyn Collective<B>>,
+    ) -> Result<Self> {
+        Self::build(backend, source, tokenizer, options, Some(collective))
+    }
+
+    fn build(
+        backend: Arc<B>,
+        source: ModelSource,
+        tokenizer: Option<Tokenizer>,
+        options: LocalEngineOptions,
+        collective: Option<Arc<dyn Collective<B>>>,
     ) -> Result<Self> {
         if options.max_tokens_per_microbatch == 0 {
             return Err(Error::InvalidRequest(
@@ -324,7 +355,11 @@ impl<B: Backend> LocalEngine<B> {
             gate.as_ref().map_or(0, Gate::reserved),
         );
         plan.check()?;
-        let mut policy = Policy::new(source.load(backend, BaseStorage::Trainable)?);
+        let mut policy = Policy::new(source.load(Arc::clone(&backend), BaseStorage::Trainable)?);
+        if let Some(collective) = &collective {
+            policy.broadcast_weights(&**collective, 0)?;
+        }
+        let data_parallel = collective.map(|c| DataParallel::new(c, backend));
         policy.set_optimizer_placement(options.optimizer_placement)?;
         policy.set_recomputed_layers(plan.recomputed_layers);
         // What the plan holds for good is taken now, so the next engine sees it gone.
@@ -344,6 +379,7 @@ impl<B: Backend> LocalEngine<B> {
             tokenizer,
             plan,
             admission,
+            data_parallel,
         })
     }
 
@@ -430,12 +466,22 @@ impl<B: Backend> LocalEngine<B> {
             }
         }
         let norm = GlobalNorm::of_mini_batch(&masks, &seq_lens, &group_ids);
+        let (norm, first_group_id) = match &self.data_parallel {
+            Some(dp) => dp.global_norm(&norm, groups.len())?,
+            None => (norm, 0),
+        };
         let micro_batches = pack_rollouts(&rollout_groups(groups), self.packing())?;
         let mut loss = 0.0;
         let mut metrics = Vec::with_capacity(micro_batches.len());
         for mb in &micro_batches {
             let mut grad = |stats: &TokenStats| -> ModelResult<(Vec<f64>, Vec<f64>)> {
-                let inputs = MicroInputs::gather(groups, mb, &stats.logprobs, &stats.entropy);
+                let inputs = MicroInputs::gather(
+                    groups,
+                    first_group_id,
+                    mb,
+                    &stats.logprobs,
+                    &stats.entropy,
+                );
                 let out = compute_policy_loss(
                     config,
                     &LossInputs {
@@ -461,10 +507,13 @@ impl<B: Backend> LocalEngine<B> {
             self.policy
                 .forward_backward(&mb.batch, logit_scale, &mut grad)?;
         }
-        Ok(ForwardBackwardOutput {
-            loss,
-            metrics: reduce_micro_batch_metrics(&metrics),
-        })
+        match &self.data_parallel {
+            Some(dp) => dp.policy_output(loss, &metrics),
+            None => Ok(ForwardBackwardOutput {
+                loss,
+                metrics: reduce_micro_batch_metrics(&metrics),
+            }),
+        }
     }
 
     fn forward_backward_cross_entropy(
@@ -483,11 +532,14 @@ impl<B: Backend> LocalEngine<B> {
                 )?;
             }
         }
-        let num_tokens: f64 = groups
+        let mut num_tokens: f64 = groups
             .iter()
             .flat_map(|g| &g.responses)
             .flat_map(|r| &r.loss_mask)
             .sum();
+        if let Some(dp) = &self.data_parallel {
+            num_tokens = dp.sum(num_tokens)?;
+        }
         // Mean NLL over the call's masked tokens; an all-masked call has loss 0.
         let weight = if num_tokens > 0.0 {
             1.0 / num_tokens
@@ -509,6 +561,9 @@ impl<B: Backend> LocalEngine<B> {
             };
             self.policy
                 .forward_backward(&mb.batch, logit_scale, &mut grad)?;
+        }
+        if let Some(dp) = &self.data_parallel {
+            loss = dp.sum(loss)?;
         }
         let mut metrics = BTreeMap::new();
         metrics.insert("sft/num_tokens".to_string(), num_tokens);
@@ -536,7 +591,7 @@ impl<B: Backend> LocalEngine<B> {
         let mut loss = 0.0;
         for mb in &micro_batches {
             let mut grad = |stats: &TokenStats| -> ModelResult<(Vec<f64>, Vec<f64>)> {
-                let inputs = MicroInputs::gather(groups, mb, &stats.logprobs, &stats.entropy);
+                let inputs = MicroInputs::gather(groups, 0, mb, &stats.logprobs, &stats.entropy);
                 let out = tinker_loss(
                     kind,
                     config,
@@ -555,6 +610,9 @@ impl<B: Backend> LocalEngine<B> {
             };
             self.policy
                 .forward_backward(&mb.batch, logit_scale, &mut grad)?;
+        }
+        if let Some(dp) = &self.data_parallel {
+            loss = dp.sum(loss)?;
         }
         let metrics = BTreeMap::from([(floe_rl::tinker::LOSS_SUM_METRIC.to_string(), loss)]);
         Ok(ForwardBackwardOutput { loss, metrics })
@@ -713,7 +771,12 @@ impl<B: Backend> Engine for LocalEngine<B> {
     }
 
     fn optim_step(&mut self, params: &OptimParams) -> Result<StepOutcome> {
-        self.policy.optim_step(params)
+        match &self.data_parallel {
+            Some(dp) => self
+                .policy
+                .optim_step_data_parallel(params, &*dp.collective),
+            None => self.policy.optim_step(params),
+        }
     }
 
     /// A no-op that reports its own duration: the sampler runs the policy's own weight
@@ -958,15 +1021,24 @@ struct MicroInputs {
 
 impl MicroInputs {
     /// Reads the model's per-row outputs and the caller's per-token inputs of every
-    /// response of `mb`, response after response. Optional inputs are read when present
-    /// (the checks before packing make them all-or-none where the loss needs them).
-    fn gather(groups: &[TrainGroup], mb: &MicroBatch, logprobs: &[f64], entropy: &[f64]) -> Self {
+    /// response of `mb`, response after response; group `g` of the call has id
+    /// `first_group_id + g`. Optional inputs are read when present (the checks before
+    /// packing make them all-or-none where the loss needs them).
+    fn gather(
+        groups: &[TrainGroup],
+        first_group_id: u64,
+        mb: &MicroBatch,
+        logprobs: &[f64],
+        entropy: &[f64],
+    ) -> Self {
         let mut inputs = Self::default();
         for rows in &mb.responses {
             let response = &groups[rows.group as usize].responses[rows.response as usize];
             let scored = rows.first_row as usize..(rows.first_row + rows.len) as usize;
             inputs.seq_lens.push(rows.len as usize);
-            inputs.group_ids.push(u64::from(rows.group));
+            inputs
+                .group_ids
+                .push(first_group_id + u64::from(rows.group));
             inputs.logprobs.extend_from_slice(&logprobs[scored.clone()]);
             inputs.entropy.extend_from_slice(&entropy[scored]);
             inputs

@@ -12,6 +12,11 @@
 //! Full weights are the compute weights, on CUDA AdamW writes the bf16 copy in the same
 //! kernel, so handing the new weights to the sampler moves no bytes.
 //!
+//! A rank of a data-parallel group steps with [`Policy::optim_step_data_parallel`]: the
+//! gradients of every rank are summed first, so clipping, the non-finite skip and the
+//! update are the same on every rank; [`Policy::broadcast_weights`] starts the ranks from
+//! one rank's weights.
+//!
 //! # Optimizer in host memory
 //!
 //! On a device, full-weight AdamW keeps about 16 bytes a parameter (f32 master, gradient
@@ -28,7 +33,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
 
-use floe_backend::{AdamW, Backend, BufKind};
+use floe_backend::{AdamW, Backend, BufKind, Collective};
 use floe_model::batch::{PackedBatch, TokenStats};
 use floe_model::lora::{self, ADAPTER_CONFIG_FILE};
 use floe_model::transformer::{ModelError, Transformer};
@@ -249,7 +254,83 @@ impl<B: Backend> Policy<B> {
     /// gradients. A step whose norm is not finite changes no weight and no moment, is not
     /// counted, and still clears the gradients.
     pub fn optim_step(&mut self, params: &OptimParams) -> Result<StepOutcome> {
-        let grad_norm = self.model.grad_norm()?;
+        self.step_with(params, None)
+    }
+
+    /// [`Policy::optim_step`] of one rank of a data-parallel group: first sums every
+    /// rank's gradients (each rank's loss already divided by the whole mini-batch's
+    /// totals), so every rank clips by the same global norm, skips the same steps and
+    /// applies the same update. The sums go to new buffers (the model lends its
+    /// gradients read-only), one more gradient's memory during the step.
+    pub fn optim_step_data_parallel(
+        &mut self,
+        params: &OptimParams,
+        collective: &dyn Collective<B>,
+    ) -> Result<StepOutcome> {
+        self.step_with(params, Some(collective))
+    }
+
+    /// Makes the trained weights (a LoRA policy's adapters) those of rank `root`, on
+    /// every rank of `collective`. Frozen base weights are not sent: every rank loads
+    /// them from the same source. Call it while the optimizer state is on the device
+    /// (before [`Policy::set_optimizer_placement`] moves the masters to the host).
+    pub fn broadcast_weights(&mut self, collective: &dyn Collective<B>, root: usize) -> Result<()> {
+        if let OptimizerState::Host { .. } = self.state {
+            return Err(Error::InvalidRequest(
+                "broadcast_weights: the master weights are in host memory; broadcast them \
+                 before moving the optimizer state there"
+                    .into(),
+            ));
+        }
+        if self.model.lora_config().is_none() && self.model.base_is_shared() {
+            return Ok(());
+        }
+        let backend = Arc::clone(self.model.backend());
+        self.model.visit_params(&mut |_, slot| {
+            collective.broadcast(slot.param, root)?;
+            if let Some(compute) = slot.compute {
+                backend.copy(compute, slot.param)?;
+            }
+            Ok(())
+        })?;
+        Ok(())
+    }
+
+    /// Every rank's gradients summed, in [`Transformer::visit_params`] order.
+    fn summed_gradients(&mut self, collective: &dyn Collective<B>) -> Result<Vec<B::Buf>> {
+        let backend = Arc::clone(self.model.backend());
+        let mut summed = Vec::new();
+        self.model.visit_params(&mut |_, slot| {
+            let mut sum = backend.zeros(backend.len(slot.grad), BufKind::Full)?;
+            backend.copy(&mut sum, slot.grad)?;
+            collective.all_reduce_sum(&mut sum)?;
+            summed.push(sum);
+            Ok(())
+        })?;
+        Ok(summed)
+    }
+
+    fn step_with(
+        &mut self,
+        params: &OptimParams,
+        collective: Option<&dyn Collective<B>>,
+    ) -> Result<StepOutcome> {
+        let summed = match collective {
+            Some(collective) => Some(self.summed_gradients(collective)?),
+            None => None,
+        };
+        let grad_norm = match &summed {
+            // The same sum of squares, in the same order, as the model's own norm.
+            Some(grads) => {
+                let backend = self.model.backend();
+                let mut sum = 0.0;
+                for grad in grads {
+                    sum += backend.sum_squares(grad)?;
+                }
+                sum.sqrt()
+            }
+            None => self.model.grad_norm()?,
+        };
         if should_skip_step(grad_norm) {
             self.model.zero_grad()?;
             return Ok(StepOutcome {
@@ -273,13 +354,17 @@ impl<B: Backend> Policy<B> {
             step: self.step,
             grad_scale: grad_scale as f32,
         };
+        // The i-th visited parameter steps with the ranks' sum of its gradient, if summed.
+        let mut visited = 0;
         let backend = Arc::clone(self.model.backend());
         match &mut self.state {
             OptimizerState::Device(moments) => self.model.visit_params(&mut |name, slot| {
                 let state = device_moments(&*backend, moments, name, slot.param)?;
+                let grad = summed.as_ref().map_or(slot.grad, |s| &s[visited]);
+                visited += 1;
                 backend.adamw(
                     slot.param,
-                    slot.grad,
+                    grad,
                     &mut state.m,
                     &mut state.v,
                     slot.compute,
@@ -296,9 +381,11 @@ impl<B: Backend> Policy<B> {
                     m: vec![0.0; len],
                     v: vec![0.0; len],
                 });
+                let grad = summed.as_ref().map_or(slot.grad, |s| &s[visited]);
+                visited += 1;
                 backend.adamw_host(
                     slot.param,
-                    slot.grad,
+                    grad,
                     &mut host.master,
                     &mut moments.m,
                     &mut moments.v,

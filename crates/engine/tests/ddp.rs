@@ -1,0 +1,522 @@
+//! Data-parallel training on the CPU: world sizes 1 to 4 as threads of one process over
+//! `InProcessCollective`, each rank a `LocalEngine` given its share of every mini-batch
+//! (`floe_dist::balance_groups`). The ranks end bit-identical to one another, and equal
+//! to one engine trained on the whole mini-batches up to the order of float sums: the
+//! reported loss, metrics, gradient norm and the updated weights.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use floe_backend::cpu::{CpuBackend, CpuFloat};
+use floe_backend::sampling::GAMMA;
+use floe_backend::{Collective, InProcessCollective};
+use floe_dist::{balance_groups, GroupShape};
+use floe_engine::policy::{OptimParams, OptimizerPlacement, StepOutcome};
+use floe_engine::{
+    AdapterSource, Engine, ForwardBackwardOutput, LocalEngine, LocalEngineOptions, Loss,
+    ModelSource, TrainGroup, TrainResponse,
+};
+use floe_model::lora::LoraConfig;
+use floe_model::weights::HostTensor;
+use floe_rl::tinker::TinkerLoss;
+use floe_rl::{AlgorithmConfig, LossReduction};
+
+mod support;
+use support::tiny_config;
+
+/// Most tokens in a micro-batch. Every group of [`batch`] packs to more than half of it,
+/// so each group is a micro-batch of its own on any rank, and the per-micro-batch
+/// metrics of the ranks are those of the single engine.
+const MICROBATCH_TOKENS: usize = 48;
+const SEED: u64 = 11;
+
+/// Clipping acts: the gradients of these batches have norms above 0.01.
+const OPTIM: OptimParams = OptimParams {
+    lr: 1e-2,
+    beta1: 0.9,
+    beta2: 0.999,
+    eps: 1e-8,
+    weight_decay: 0.01,
+    max_grad_norm: 0.01,
+};
+
+fn options(placement: OptimizerPlacement) -> LocalEngineOptions {
+    LocalEngineOptions {
+        max_tokens_per_microbatch: MICROBATCH_TOKENS,
+        kv_cache_bytes: Some(4 << 20),
+        optimizer_placement: placement,
+        ..LocalEngineOptions::default()
+    }
+}
+
+fn random(seed: u64) -> ModelSource {
+    ModelSource::Random {
+        config: tiny_config(),
+        seed,
+    }
+}
+
+fn lora(adapter_rank: usize) -> ModelSource {
+    ModelSource::Lora {
+        base: Box::new(random(SEED)),
+        adapters: AdapterSource::Fresh(LoraConfig::new(adapter_rank)),
+    }
+}
+
+/// Deterministic pseudo-random values in `0..n`.
+fn draws(seed: u64, len: usize, n: u64) -> Vec<u64> {
+    let mut x = seed.wrapping_mul(GAMMA) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x % n
+        })
+        .collect()
+}
+
+fn tokens(seed: u64, len: usize) -> Vec<u32> {
+    draws(seed, len, 62)
+        .into_iter()
+        .map(|t| 2 + t as u32)
+        .collect()
+}
+
+/// `groups` groups of 2 to 4 responses whose tokens (prompt once) are 36 to 46 of
+/// [`MICROBATCH_TOKENS`], with varied advantages, masks with holes, and old and reference
+/// log-probs a little off the model's so the PPO clip and the KL term both act.
+fn batch(seed: u64, groups: usize) -> Vec<TrainGroup> {
+    (0..groups as u64)
+        .map(|g| {
+            let seed = seed * 1000 + g * 10;
+            let n = 2 + (g % 3) as usize;
+            let prompt = tokens(seed, 5 + (g % 3) as usize);
+            let responses = (0..n as u64)
+                .map(|r| {
+                    let len = 36 / n - 1 + draws(seed + r, 1, 3)[0] as usize;
+                    let jitter = |salt: u64| -> Vec<f64> {
+                        draws(seed + r + salt, len, 7)
+                            .into_iter()
+                            .map(|d| -2.5 + 0.1 * d as f64)
+                            .collect()
+                    };
+                    TrainResponse {
+                        tokens: tokens(seed + r + 1, len),
+                        loss_mask: (0..len)
+                            .map(|i| if (i + r as usize) % 5 == 4 { 0.0 } else { 1.0 })
+                            .collect(),
+                        advantages: vec![r as f64 - (n as f64 - 1.0) / 2.0 + 0.3; len],
+                        old_logprobs: jitter(100),
+                        ref_logprobs: Some(jitter(200)),
+                        rollout_logprobs: None,
+                        targets: None,
+                    }
+                })
+                .collect();
+            TrainGroup { prompt, responses }
+        })
+        .collect()
+}
+
+/// Rank `rank`'s share of `groups`: its pieces under `balance_groups`, in input order.
+fn share(groups: &[TrainGroup], world_size: usize, rank: usize) -> Vec<TrainGroup> {
+    let shapes: Vec<GroupShape> = groups
+        .iter()
+        .map(|g| GroupShape {
+            prompt_tokens: g.prompt.len(),
+            response_tokens: g.responses.iter().map(|r| r.tokens.len()).collect(),
+        })
+        .collect();
+    balance_groups(&shapes, world_size)[rank]
+        .iter()
+        .map(|piece| TrainGroup {
+            prompt: groups[piece.group].prompt.clone(),
+            responses: groups[piece.group].responses[piece.responses.clone()].to_vec(),
+        })
+        .collect()
+}
+
+fn policy_loss(loss_reduction: LossReduction) -> Loss {
+    Loss::Policy(AlgorithmConfig {
+        loss_reduction,
+        max_seq_len: Some(32),
+        entropy_coeff: 0.01,
+        ..AlgorithmConfig::default()
+    })
+}
+
+/// What one optimizer step reported.
+#[derive(Debug, PartialEq)]
+struct Step {
+    output: ForwardBackwardOutput,
+    outcome: StepOutcome,
+}
+
+/// What a run of steps reported, and the trained weights (a LoRA engine's adapters).
+#[derive(Debug, PartialEq)]
+struct Run {
+    steps: Vec<Step>,
+    weights: BTreeMap<String, HostTensor>,
+}
+
+fn train<T: CpuFloat>(
+    mut engine: LocalEngine<CpuBackend<T>>,
+    batches: &[Vec<TrainGroup>],
+    loss: &Loss,
+) -> Run {
+    let steps = batches
+        .iter()
+        .map(|groups| {
+            let output = engine.forward_backward(groups, loss, 1.0).unwrap();
+            let outcome = engine.optim_step(&OPTIM).unwrap();
+            Step { output, outcome }
+        })
+        .collect();
+    let model = engine.policy().model();
+    let weights = if model.lora_config().is_some() {
+        model.adapters_to_host().unwrap()
+    } else {
+        engine.policy().master_weights_to_host().unwrap()
+    };
+    Run { steps, weights }
+}
+
+/// One engine on the whole mini-batches, without a collective.
+fn single<T: CpuFloat>(source: ModelSource, batches: &[Vec<TrainGroup>], loss: &Loss) -> Run {
+    let backend = Arc::new(CpuBackend::<T>::new());
+    let engine =
+        LocalEngine::new(backend, source, None, options(OptimizerPlacement::Device)).unwrap();
+    train(engine, batches, loss)
+}
+
+/// `world_size` engines as threads, rank r built from `source(r)` and given its share of
+/// every mini-batch; each rank's run, in rank order.
+fn data_parallel<T: CpuFloat>(
+    world_size: usize,
+    source: impl Fn(usize) -> ModelSource + Sync,
+    placement: OptimizerPlacement,
+    batches: &[Vec<TrainGroup>],
+    loss: &Loss,
+) -> Vec<Run> {
+    let group = InProcessCollective::<T>::group(world_size, Duration::from_secs(120));
+    std::thread::scope(|scope| {
+        let ranks: Vec<_> = group
+            .into_iter()
+            .enumerate()
+            .map(|(rank, collective)| {
+                let source = &source;
+                scope.spawn(move || {
+                    let shares: Vec<Vec<TrainGroup>> = batches
+                        .iter()
+                        .map(|groups| share(groups, world_size, rank))
+                        .collect();
+                    let collective: Arc<dyn Collective<CpuBackend<T>>> = Arc::new(collective);
+                    let engine = LocalEngine::new_data_parallel(
+                        Arc::new(CpuBackend::<T>::new()),
+                        source(rank),
+                        None,
+                        options(placement),
+                        collective,
+                    )
+                    .unwrap();
+                    train(engine, &shares, loss)
+                })
+            })
+            .collect();
+        ranks.into_iter().map(|r| r.join().unwrap()).collect()
+    })
+}
+
+/// Rank r starts from other weights than rank 0: the engine broadcasts rank 0's.
+fn seeded_per_rank(rank: usize) -> ModelSource {
+    random(SEED + 100 * rank as u64)
+}
+
+fn batches(groups: usize) -> Vec<Vec<TrainGroup>> {
+    (1..=3).map(|seed| batch(seed, groups)).collect()
+}
+
+fn close(a: f64, b: f64, tol: f64) -> bool {
+    (a - b).abs() <= tol * (1.0 + b.abs())
+}
+
+/// How far rank 0 may be from the single engine.
+struct Tolerance {
+    /// Loss, metrics and gradient norm, relative to 1 + |expected|.
+    scalars: f64,
+    /// Each weight, absolute.
+    weights: f64,
+}
+
+/// In f64 the ranks' other order of sums moves the scalars by about 1e-15 (measured);
+/// the weights are compared as f32 (what `HostTensor` holds), one f32 step apart at most
+/// (measured: equal).
+const F64: Tolerance = Tolerance {
+    scalars: 1e-12,
+    weights: 1e-6,
+};
+
+/// Every rank reported and holds the same bits; rank 0 equals `expected` within `tol`,
+/// metrics too unless `compare_metrics` is off (a split group makes other micro-batches,
+/// whose averaged metrics differ).
+fn assert_matches(ranks: &[Run], expected: &Run, tol: &Tolerance, compare_metrics: bool) {
+    for (rank, run) in ranks.iter().enumerate().skip(1) {
+        assert!(run == &ranks[0], "rank {rank} differs from rank 0");
+    }
+    let got = &ranks[0];
+    for (i, (g, e)) in got.steps.iter().zip(&expected.steps).enumerate() {
+        let (g_out, e_out) = (&g.output, &e.output);
+        assert!(
+            close(g_out.loss, e_out.loss, tol.scalars),
+            "step {i}: loss {} vs {}",
+            g_out.loss,
+            e_out.loss
+        );
+        if compare_metrics {
+            assert_eq!(
+                g_out.metrics.keys().collect::<Vec<_>>(),
+                e_out.metrics.keys().collect::<Vec<_>>(),
+                "step {i}"
+            );
+            for (key, &value) in &e_out.metrics {
+                let got = g_out.metrics[key];
+                assert!(
+                    close(got, value, tol.scalars),
+                    "step {i}: {key} {got} vs {value}"
+                );
+            }
+        }
+        let (g_step, e_step) = (&g.outcome, &e.outcome);
+        assert_eq!(
+            (g_step.skipped, g_step.step),
+            (e_step.skipped, e_step.step),
+            "step {i}"
+        );
+        assert!(
+            close(g_step.grad_norm, e_step.grad_norm, tol.scalars),
+            "step {i}: grad norm {} vs {}",
+            g_step.grad_norm,
+            e_step.grad_norm
+        );
+    }
+    assert_eq!(got.steps.len(), expected.steps.len());
+    assert_eq!(
+        got.weights.keys().collect::<Vec<_>>(),
+        expected.weights.keys().collect::<Vec<_>>()
+    );
+    let mut worst = (0.0f64, String::new());
+    for (name, tensor) in &expected.weights {
+        for (&g, &e) in got.weights[name].data.iter().zip(&tensor.data) {
+            let diff = f64::from((g - e).abs());
+            if diff > worst.0 {
+                worst = (diff, name.clone());
+            }
+        }
+    }
+    assert!(
+        worst.0 <= tol.weights,
+        "weights differ by {} in {}",
+        worst.0,
+        worst.1
+    );
+}
+
+/// The single engine's run clipped every step: its gradient norms exceed the clip.
+fn assert_clipped(run: &Run) {
+    for step in &run.steps {
+        assert!(!step.outcome.skipped);
+        assert!(
+            step.outcome.grad_norm > f64::from(OPTIM.max_grad_norm),
+            "grad norm {}",
+            step.outcome.grad_norm
+        );
+    }
+}
+
+#[test]
+fn world_sizes_1_to_4_train_as_one_engine_on_the_whole_batch() {
+    let loss = policy_loss(LossReduction::TokenMean);
+    // 7 groups: uneven shares for 2, 3 and 4 ranks.
+    let batches = batches(7);
+    let expected = single::<f64>(random(SEED), &batches, &loss);
+    assert_clipped(&expected);
+    for world_size in 1..=4 {
+        let ranks = data_parallel::<f64>(
+            world_size,
+            seeded_per_rank,
+            OptimizerPlacement::Device,
+            &batches,
+            &loss,
+        );
+        assert_matches(&ranks, &expected, &F64, true);
+    }
+}
+
+#[test]
+fn world_size_1_through_the_collective_is_the_engine_bit_for_bit() {
+    let loss = policy_loss(LossReduction::TokenMean);
+    let batches = batches(5);
+    let expected = single::<f32>(random(SEED), &batches, &loss);
+    let ranks = data_parallel::<f32>(
+        1,
+        |_| random(SEED),
+        OptimizerPlacement::Device,
+        &batches,
+        &loss,
+    );
+    assert_eq!(ranks[0], expected);
+}
+
+#[test]
+fn every_loss_reduction_uses_the_whole_batch_totals_on_3_ranks() {
+    let batches = batches(7);
+    for reduction in [
+        LossReduction::SequenceMean,
+        LossReduction::SeqMeanTokenSumNorm,
+        LossReduction::SeqMeanTokenSum,
+        LossReduction::PromptMean,
+    ] {
+        let loss = policy_loss(reduction);
+        let expected = single::<f64>(random(SEED), &batches, &loss);
+        let ranks = data_parallel::<f64>(
+            3,
+            seeded_per_rank,
+            OptimizerPlacement::Device,
+            &batches,
+            &loss,
+        );
+        assert_matches(&ranks, &expected, &F64, true);
+    }
+}
+
+#[test]
+fn cross_entropy_and_tinker_losses_on_2_and_3_ranks() {
+    let batches = batches(6);
+    let tinker = Loss::Tinker {
+        loss: TinkerLoss::Ppo,
+        clip_low_threshold: 0.8,
+        clip_high_threshold: 1.2,
+        beta: 0.05,
+    };
+    for loss in [Loss::CrossEntropy, tinker] {
+        let expected = single::<f64>(random(SEED), &batches, &loss);
+        for world_size in [2, 3] {
+            let ranks = data_parallel::<f64>(
+                world_size,
+                seeded_per_rank,
+                OptimizerPlacement::Device,
+                &batches,
+                &loss,
+            );
+            assert_matches(&ranks, &expected, &F64, true);
+        }
+    }
+}
+
+#[test]
+fn f32_ranks_match_within_rounding() {
+    let loss = policy_loss(LossReduction::TokenMean);
+    let batches = batches(7);
+    let expected = single::<f32>(random(SEED), &batches, &loss);
+    let ranks = data_parallel::<f32>(
+        4,
+        seeded_per_rank,
+        OptimizerPlacement::Device,
+        &batches,
+        &loss,
+    );
+    // Measured: scalars 8e-8, weights 2e-6 apart after three AdamW steps.
+    let f32_rounding = Tolerance {
+        scalars: 1e-6,
+        weights: 2e-5,
+    };
+    assert_matches(&ranks, &expected, &f32_rounding, true);
+}
+
+#[test]
+fn groups_split_across_ranks_and_an_idle_rank_still_train_as_one() {
+    // One group of 3 responses on 4 ranks: three ranks get a response each (the group
+    // split), the fourth none and still joins every collective.
+    let batches: Vec<Vec<TrainGroup>> = (1..=3)
+        .map(|seed| {
+            let mut groups = batch(seed, 2);
+            groups.remove(0);
+            groups
+        })
+        .collect();
+    assert_eq!(batches[0][0].responses.len(), 3);
+    assert!(share(&batches[0], 4, 3).is_empty());
+    let loss = policy_loss(LossReduction::TokenMean);
+    let expected = single::<f64>(random(SEED), &batches, &loss);
+    let ranks = data_parallel::<f64>(
+        4,
+        seeded_per_rank,
+        OptimizerPlacement::Device,
+        &batches,
+        &loss,
+    );
+    assert_matches(&ranks, &expected, &F64, false);
+}
+
+#[test]
+fn the_host_optimizer_steps_with_the_summed_gradients() {
+    // The host optimizer keeps f32 masters, even under the f64 backend: measured, scalars
+    // 7e-9 and weights 2.4e-7 from the f64 masters on the device.
+    let f32_masters = Tolerance {
+        scalars: 1e-7,
+        weights: 1e-6,
+    };
+    let loss = policy_loss(LossReduction::TokenMean);
+    let batches = batches(5);
+    let expected = single::<f64>(random(SEED), &batches, &loss);
+    let ranks = data_parallel::<f64>(
+        2,
+        seeded_per_rank,
+        OptimizerPlacement::Host,
+        &batches,
+        &loss,
+    );
+    assert_matches(&ranks, &expected, &f32_masters, true);
+}
+
+#[test]
+fn lora_adapters_train_as_one_engine_on_3_ranks() {
+    let loss = policy_loss(LossReduction::TokenMean);
+    let batches = batches(7);
+    let expected = single::<f64>(lora(4), &batches, &loss);
+    assert_clipped(&expected);
+    let ranks = data_parallel::<f64>(3, |_| lora(4), OptimizerPlacement::Device, &batches, &loss);
+    assert_matches(&ranks, &expected, &F64, true);
+}
+
+#[test]
+fn a_non_finite_gradient_on_one_rank_skips_the_step_on_every_rank() {
+    let loss = policy_loss(LossReduction::TokenMean);
+    let mut batches = batches(6);
+    // A NaN advantage in the group rank 1 trains on.
+    let poisoned = share(&batches[1], 3, 1)[0].clone();
+    let group = batches[1]
+        .iter_mut()
+        .find(|g| g.prompt == poisoned.prompt)
+        .unwrap();
+    group.responses[0].advantages[0] = f64::NAN;
+    let expected = single::<f64>(random(SEED), &batches, &loss);
+    assert!(expected.steps[1].outcome.skipped);
+    let ranks = data_parallel::<f64>(
+        3,
+        seeded_per_rank,
+        OptimizerPlacement::Device,
+        &batches,
+        &loss,
+    );
+    assert!(ranks.iter().all(|run| run.steps[1].outcome.skipped));
+    let weights =
+        |run: &Run| -> Vec<f32> { run.weights.values().flat_map(|t| t.data.clone()).collect() };
+    assert!(ranks.iter().all(|run| weights(run) == weights(&ranks[0])));
+    assert!(weights(&ranks[0])
+        .iter()
+        .zip(weights(&expected))
+        .all(|(&g, e)| f64::from((g - e).abs()) <= F64.weights));
+}
