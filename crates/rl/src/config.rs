@@ -124,6 +124,13 @@ impl AlgorithmConfig {
                     .into(),
             ));
         }
+        let ratio = self.dynamic_sampling.min_replace_ratio;
+        if !(0.0..1.0).contains(&ratio) {
+            return Err(RlError::Config(format!(
+                "dynamic_sampling.min_replace_ratio is {ratio}; it must be in [0, 1) (the share \
+                 of groups with a learning signal above which the rest are replaced)"
+            )));
+        }
         let factor = self.overlong_buffer.penalty_factor;
         if !(factor.is_finite() && factor >= 0.0) {
             return Err(RlError::Config(format!(
@@ -141,18 +148,26 @@ pub enum DynamicSamplingType {
     /// DAPO's (verl's `filter_groups`): drop them and sample further batches of prompts
     /// until `train_batch_size` groups with a signal are kept.
     Filter,
+    /// SkyRL's (after POLARIS): when more than `min_replace_ratio` of the batch's groups
+    /// carry a signal, replace the others with copies of those; otherwise sample another
+    /// batch ([`crate::dapo::replacement_groups`]).
+    Replace,
 }
 
 /// `dynamic_sampling.*` (SkyRL's keys; verl's `algorithm.filter_groups`).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct DynamicSamplingConfig {
-    /// `"filter"`, or unset for off.
+    /// `"filter"` or `"replace"`, or unset for off.
     #[serde(rename = "type")]
     pub kind: Option<DynamicSamplingType>,
     /// Most batches of prompts one step samples, the first included (verl's
-    /// `max_num_gen_batches`); a step that reaches it trains on the groups it kept.
+    /// `max_num_gen_batches`); a step that reaches it trains on the groups it kept
+    /// (`replace`: on its last batch as sampled).
     pub max_sample_batches: usize,
+    /// `replace`: the share of a batch's groups that must carry a signal before the others
+    /// are replaced by copies of them (SkyRL's default 0.3).
+    pub min_replace_ratio: f64,
 }
 
 impl Default for DynamicSamplingConfig {
@@ -160,6 +175,7 @@ impl Default for DynamicSamplingConfig {
         Self {
             kind: None,
             max_sample_batches: 30,
+            min_replace_ratio: 0.3,
         }
     }
 }

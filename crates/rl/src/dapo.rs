@@ -19,6 +19,43 @@ pub fn group_signal(scores_s: &[f64], group_ids_s: &[u64]) -> Vec<(u64, bool)> {
     groups
 }
 
+/// SkyRL's `replace` dynamic sampling (after POLARIS): when more than `min_replace_ratio`
+/// of a batch's groups carry a signal, each group without one is replaced by a copy of a
+/// group with one, so the step trains on a full batch without sampling again. Returns, per
+/// group, the group whose samples fill its place (itself when it has a signal), or `None`
+/// when too few groups carry a signal (sample another batch). Copies are drawn without
+/// repetition while there are enough groups with a signal, with repetition after that;
+/// `uniform_below(n)` draws in `0..n` (the caller seeds it, so a step's choice replays).
+pub fn replacement_groups(
+    has_signal: &[bool],
+    min_replace_ratio: f64,
+    mut uniform_below: impl FnMut(usize) -> usize,
+) -> Option<Vec<usize>> {
+    let mut good: Vec<usize> = (0..has_signal.len()).filter(|&g| has_signal[g]).collect();
+    if good.is_empty() || good.len() as f64 <= has_signal.len() as f64 * min_replace_ratio {
+        return None;
+    }
+    let bad = has_signal.len() - good.len();
+    let mut sources: Vec<usize> = if good.len() >= bad {
+        // The first `bad` places of a partial Fisher–Yates shuffle.
+        for i in 0..bad {
+            let j = i + uniform_below(good.len() - i);
+            good.swap(i, j);
+        }
+        good[..bad].to_vec()
+    } else {
+        (0..bad).map(|_| good[uniform_below(good.len())]).collect()
+    };
+    sources.reverse();
+    Some(
+        has_signal
+            .iter()
+            .enumerate()
+            .map(|(g, &signal)| if signal { g } else { sources.pop().unwrap() })
+            .collect(),
+    )
+}
+
 /// DAPO's soft overlong punishment of a response of `response_len` tokens when responses
 /// stop at `max_response_len`: 0 up to `max_response_len - buffer_len`, then falling
 /// linearly to `-penalty_factor` at `max_response_len` (verl's
@@ -54,6 +91,43 @@ mod tests {
             vec![(3, false), (1, true), (0, false), (2, false)]
         );
         assert!(group_signal(&[], &[]).is_empty());
+    }
+
+    #[test]
+    fn replacement_fills_every_silent_group_with_a_group_with_signal() {
+        // A counter for draws: uniform_below(n) = counter % n.
+        let counter = |start: usize| {
+            let mut next = start;
+            move |n: usize| {
+                next += 1;
+                (next - 1) % n
+            }
+        };
+        // 3 of 5 carry a signal (0.6 > 0.3): the 2 silent ones get distinct sources.
+        let signal = [true, false, true, false, true];
+        let sources = replacement_groups(&signal, 0.3, counter(0)).unwrap();
+        assert_eq!(sources.len(), 5);
+        for g in [0, 2, 4] {
+            assert_eq!(sources[g], g);
+        }
+        assert!(signal[sources[1]] && signal[sources[3]]);
+        assert_ne!(sources[1], sources[3]);
+        // 1 of 3 (0.33 > 0.3): both silent groups copy the one group with a signal.
+        assert_eq!(
+            replacement_groups(&[false, true, false], 0.3, counter(7)),
+            Some(vec![1, 1, 1])
+        );
+        // At or under the ratio, or with no signal at all: sample again.
+        assert_eq!(
+            replacement_groups(&[true, false, false, false], 0.3, counter(0)),
+            None
+        );
+        assert_eq!(replacement_groups(&[false, false], 0.0, counter(0)), None);
+        // All carry a signal: nothing changes.
+        assert_eq!(
+            replacement_groups(&[true, true], 0.3, counter(0)),
+            Some(vec![0, 1])
+        );
     }
 
     #[test]

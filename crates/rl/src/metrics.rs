@@ -21,6 +21,9 @@ pub mod names {
     /// Dynamic sampling: groups the step trained on (`train_batch_size` unless the batch
     /// cap was reached first).
     pub const DYNAMIC_SAMPLING_NUM_TRAINED_GROUPS: &str = "dynamic_sampling/num_trained_groups";
+    /// `replace` dynamic sampling: groups without a signal that were replaced by copies
+    /// of groups with one.
+    pub const DYNAMIC_SAMPLING_NUM_REPLACED_GROUPS: &str = "dynamic_sampling/num_replaced_groups";
     /// Overlong shaping: the share of sampled responses whose last turn stopped at the
     /// length limit.
     pub const OVERLONG_TRUNCATED_FRAC: &str = "overlong/truncated_frac";

@@ -1,6 +1,7 @@
 //! DAPO on a tiny embedded run with scripted rewards: dynamic sampling drops the groups
 //! whose rewards are all equal and samples more prompts until the batch is full, up to its
-//! cap; overlong filtering and the soft overlong punishment shape truncated responses.
+//! cap (or, `replace`, copies groups with a signal into the places of those without);
+//! overlong filtering and the soft overlong punishment shape truncated responses.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -218,4 +219,53 @@ fn overlong_shaping_penalises_and_masks_truncated_responses() {
         truncated_any,
         "an untrained model runs to 16 tokens at least once in 16 samples"
     );
+}
+
+#[test]
+fn replace_sampling_fills_silent_groups_with_copies_of_groups_with_a_signal() {
+    let dir = tempfile::tempdir().unwrap();
+    let steps = run(
+        dir.path(),
+        &["trainer.algorithm.dynamic_sampling.type=\"replace\""],
+    );
+    for m in &steps {
+        // Half of each batch's groups carry a signal (0.5 > 0.3): one batch, its 2 silent
+        // groups replaced, a full batch trained.
+        assert_eq!(m["dynamic_sampling/num_gen_batches"], 1.0, "{m:?}");
+        assert_eq!(m["dynamic_sampling/num_sampled_groups"], BATCH as f64);
+        assert_eq!(m["dynamic_sampling/num_replaced_groups"], 2.0);
+        assert_eq!(m["dynamic_sampling/num_trained_groups"], BATCH as f64);
+        // Rollout metrics cover the batch as sampled.
+        assert_eq!(m["reward/avg_raw_reward"], 0.75);
+        // Every trained group is a 1/0 pair: every advantage is ±a.
+        let abs = m["loss/avg_raw_advantages_abs"];
+        assert!(abs > 0.5, "{abs}");
+        assert!((m["loss/avg_raw_advantages"]).abs() < 1e-9 * abs.max(1.0), "{m:?}");
+    }
+    let state = state(dir.path());
+    assert_eq!(state.optimizer_steps, 4);
+    assert_eq!(state.data_cursor.position, 2 * BATCH);
+}
+
+#[test]
+fn replace_sampling_samples_again_below_its_ratio_and_trains_the_last_batch_at_its_cap() {
+    let dir = tempfile::tempdir().unwrap();
+    let steps = run(
+        dir.path(),
+        &[
+            "trainer.algorithm.dynamic_sampling.type=\"replace\"",
+            // Half the groups carry a signal, which is not more than half.
+            "trainer.algorithm.dynamic_sampling.min_replace_ratio=0.5",
+            "trainer.algorithm.dynamic_sampling.max_sample_batches=2",
+        ],
+    );
+    for m in &steps {
+        assert_eq!(m["dynamic_sampling/num_gen_batches"], 2.0, "{m:?}");
+        assert_eq!(m["dynamic_sampling/num_sampled_groups"], 8.0);
+        assert_eq!(m["dynamic_sampling/num_replaced_groups"], 0.0);
+        assert_eq!(m["dynamic_sampling/num_trained_groups"], BATCH as f64);
+    }
+    let state = state(dir.path());
+    assert_eq!(state.optimizer_steps, 4);
+    assert_eq!(state.data_cursor.position, 2 * 2 * BATCH);
 }

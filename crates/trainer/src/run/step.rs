@@ -12,7 +12,8 @@ use floe_engine::{
 use floe_env::env::aggregate_metrics_by_env;
 use floe_model::tokenizer::Tokenizer;
 use floe_rl::advantage::zero_variance_sequences;
-use floe_rl::dapo::{group_signal, overlong_penalty};
+use floe_rl::config::DynamicSamplingType;
+use floe_rl::dapo::{group_signal, overlong_penalty, replacement_groups};
 use floe_rl::kl::{apply_kl_in_reward, KlController};
 use floe_rl::metrics::{names, response_length_metrics, reward_metrics};
 use floe_rl::optim::{lr_at, num_optimizer_steps, LrScheduleKind};
@@ -26,6 +27,8 @@ use crate::rollout::{derive_seed, engine_sampling_params, RolloutTiming, Traject
 
 /// Stream of training sampling seeds.
 const TRAIN_SEED_STREAM: u64 = 0x7A1;
+/// Stream of `replace` dynamic sampling's draws of which groups fill silent ones.
+const REPLACE_SEED_STREAM: u64 = 0x7A2;
 
 /// Whether `alg` needs the reference model's log-probs (a KL loss or a KL penalty in the
 /// reward).
@@ -196,13 +199,16 @@ impl<E: Engine> Run<'_, E> {
     /// sampling, groups whose rewards are all equal are dropped and further batches are
     /// sampled (each from the cursor, with its own seed) until `trainer.train_batch_size`
     /// groups are kept or `max_sample_batches` batches were sampled; the rollout metrics
-    /// then cover every sampled trajectory, the training every kept one.
+    /// then cover every sampled trajectory, the training every kept one. With `replace`,
+    /// a batch where enough groups carry a signal trains with its silent groups replaced
+    /// by copies of those (further batches are sampled while too few do).
     fn sample_batch(&mut self, step: u64) -> Result<SampledBatch> {
         let (config, prompts) = (self.config, self.prompts);
         let t = &config.trainer;
         let n = config.generator.n_samples_per_prompt;
         let dynamic = &t.algorithm.dynamic_sampling;
         let filter = dynamic.kind.is_some();
+        let mut replaced_groups = 0usize;
         let max_batches = if filter {
             dynamic.max_sample_batches.max(1)
         } else {
@@ -243,6 +249,48 @@ impl<E: Engine> Run<'_, E> {
             }
             let scores_s: Vec<f64> = trajs.iter().map(|tr| tr.reward).collect();
             let group_ids_s: Vec<u64> = trajs.iter().map(|tr| tr.prompt as u64).collect();
+            if dynamic.kind == Some(DynamicSamplingType::Replace) {
+                let mut has_signal = vec![false; batch.len()];
+                for (group, signal) in group_signal(&scores_s, &group_ids_s) {
+                    has_signal[group as usize] = signal;
+                }
+                let mut draw = 0u64;
+                let sources = replacement_groups(&has_signal, dynamic.min_replace_ratio, |bound| {
+                    draw += 1;
+                    (derive_seed(&[t.seed, REPLACE_SEED_STREAM, step, batches as u64, draw])
+                        % bound as u64) as usize
+                });
+                let last = batches == max_batches;
+                for tr in &trajs {
+                    sampled.push(Trajectory {
+                        prompt: tr.prompt + sampled_groups,
+                        ..tr.clone()
+                    });
+                }
+                sampled_groups += batch.len();
+                if sources.is_some() || last {
+                    // Each place filled by its source group's samples (itself when it has
+                    // a signal, or the last batch as sampled when too few have one).
+                    let sources = sources.unwrap_or_else(|| (0..batch.len()).collect());
+                    replaced_groups = sources.iter().enumerate().filter(|(g, s)| g != *s).count();
+                    kept = sources
+                        .iter()
+                        .enumerate()
+                        .flat_map(|(place, &source)| {
+                            trajs
+                                .iter()
+                                .filter(move |tr| tr.prompt == source)
+                                .map(move |tr| Trajectory {
+                                    prompt: place,
+                                    ..tr.clone()
+                                })
+                        })
+                        .collect();
+                    kept_groups = batch.len();
+                    break;
+                }
+                continue;
+            }
             let mut new_index: Vec<Option<usize>> = vec![None; batch.len()];
             for (group, has_signal) in group_signal(&scores_s, &group_ids_s) {
                 if has_signal && kept_groups < t.train_batch_size {
@@ -295,6 +343,12 @@ impl<E: Engine> Run<'_, E> {
                     kept_groups as f64,
                 ),
             ]);
+            if dynamic.kind == Some(DynamicSamplingType::Replace) {
+                metrics.insert(
+                    names::DYNAMIC_SAMPLING_NUM_REPLACED_GROUPS.to_string(),
+                    replaced_groups as f64,
+                );
+            }
             metrics
         } else {
             rollout_metrics(&kept, &Sequences::of(&kept), n)
