@@ -37,6 +37,9 @@ enum Command {
     /// Issue, revoke and list the API keys of a server's `--api-key-file`.
     #[command(subcommand)]
     Keys(cmd::keys::Command),
+    /// Start N processes of a program (or of a floe subcommand) on this node with
+    /// torchrun's environment, one per GPU; stop them all when one fails.
+    Launch(cmd::launch::Args),
 }
 
 fn main() -> std::process::ExitCode {
@@ -58,12 +61,17 @@ fn main() -> std::process::ExitCode {
         Command::Plan(args) => cmd::plan::run(args),
         Command::Serve(args) => cmd::serve::run(args),
         Command::Keys(command) => cmd::keys::run(command),
+        Command::Launch(args) => cmd::launch::run(args),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(err) => {
             eprintln!("error: {}", error_chain(&err));
-            std::process::ExitCode::from(2)
+            // `floe launch` exits as its failed rank did, so a script sees the rank's code.
+            let code = err
+                .downcast_ref::<cmd::launch::LaunchFailed>()
+                .map_or(2, cmd::launch::LaunchFailed::exit_code);
+            std::process::ExitCode::from(code)
         }
     }
 }

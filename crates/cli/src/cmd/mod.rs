@@ -5,6 +5,7 @@ pub mod data;
 pub mod eval;
 pub mod export;
 pub mod keys;
+pub mod launch;
 pub mod plan;
 pub mod reward;
 pub mod serve;
