@@ -354,8 +354,8 @@ fn running_ranks(running: &[bool]) -> String {
 }
 
 /// A port free right now, found by binding port 0 and letting go of it. Another process
-/// may take it before rank 0 binds it (torchrun has the same race); rank 0 then fails
-/// naming the address, and `--master-port` avoids the race.
+/// may take it before rank 0 binds it; rank 0 then fails naming the address, and
+/// `--master-port` avoids the race.
 fn free_port() -> io::Result<u16> {
     Ok(TcpListener::bind(("0.0.0.0", 0))?.local_addr()?.port())
 }
