@@ -717,58 +717,81 @@ fn kv_cache_and_paged_attention() {
     let Some(g) = gpu() else { return };
     let c = CpuBackend::<f32>::new();
     let mut rng = Rng::new(10);
-    let (hq, hk, d, block_size, max_blocks) = (8, 2, 128, 16, 40);
-    // Three sequences of 300, 37 and 520 tokens: write all of them, then one query per
-    // sequence at its last position (decoding) plus a few mid-sequence (chunked prefill).
-    let lens = [300u32, 37, 520];
-    let n_blocks = 60;
-    let mut free: Vec<u32> = (0..n_blocks).rev().collect();
-    let mut tables = vec![0u32; lens.len() * max_blocks];
-    let (mut slots, mut seq, mut pos) = (Vec::new(), Vec::new(), Vec::new());
-    for (s, &len) in lens.iter().enumerate() {
-        for blk in 0..(len as usize).div_ceil(block_size) {
-            tables[s * max_blocks + blk] = free.pop().unwrap();
+    // (q heads, kv heads, head_dim, sequence lengths): groups of 1, 2, 4, 5, 8 and 16 query
+    // heads (16 takes two warps); contexts that split (520, 2000 keys) and that do not.
+    let cases: [(usize, usize, usize, &[u32]); 7] = [
+        (8, 2, 128, &[300, 37, 520]),
+        (16, 8, 128, &[100, 200]),
+        (8, 1, 64, &[300, 37, 520]),
+        (10, 2, 32, &[2000, 5]),
+        (4, 4, 64, &[77, 256, 257]),
+        (16, 4, 128, &[1500]),
+        (16, 1, 128, &[600, 33]),
+    ];
+    for (hq, hk, d, lens) in cases {
+        let block_size = 16;
+        let max_blocks = lens
+            .iter()
+            .map(|&l| l as usize)
+            .max()
+            .unwrap()
+            .div_ceil(block_size);
+        let n_blocks: usize = lens
+            .iter()
+            .map(|&l| (l as usize).div_ceil(block_size))
+            .sum();
+        // Blocks handed out in reverse, so a sequence's blocks are not contiguous.
+        let mut free: Vec<u32> = (0..n_blocks as u32).rev().collect();
+        let mut tables = vec![0u32; lens.len() * max_blocks];
+        let (mut slots, mut seq, mut pos) = (Vec::new(), Vec::new(), Vec::new());
+        for (s, &len) in lens.iter().enumerate() {
+            for blk in 0..(len as usize).div_ceil(block_size) {
+                tables[s * max_blocks + blk] = free.pop().unwrap();
+            }
+            for p in 0..len {
+                let blk = tables[s * max_blocks + p as usize / block_size];
+                slots.push(blk * block_size as u32 + p % block_size as u32);
+            }
         }
-        for p in 0..len {
-            let blk = tables[s * max_blocks + p as usize / block_size];
-            slots.push(blk * block_size as u32 + p % block_size as u32);
+        let t_kv = slots.len();
+        // One query per sequence at its last position (decoding) plus a few mid-sequence
+        // (chunked prefill).
+        for (s, &len) in lens.iter().enumerate() {
+            for p in [len - 1, len / 2, 0] {
+                seq.push(s as u32);
+                pos.push(p);
+            }
         }
+        let shape = AttnShape {
+            tokens: seq.len(),
+            q_heads: hq,
+            kv_heads: hk,
+            head_dim: d,
+            scale: 0.088,
+        };
+        let k = rng.vec(t_kv * hk * d, 2.0);
+        let v = rng.vec(t_kv * hk * d, 1.0);
+        let q = rng.vec(seq.len() * hq * d, 2.0);
+        let problem = Paged {
+            q,
+            k,
+            v,
+            slots,
+            cache_rows: n_blocks * block_size,
+            tables,
+            seq,
+            pos,
+            max_blocks,
+            block_size,
+            shape,
+        };
+        let gr = paged_case(&g, &problem);
+        let cr = paged_case(&c, &problem);
+        let what = format!("{hq}q/{hk}kv d{d} lens {lens:?}");
+        check(&format!("kv_cache_write k {what}"), &gr[0], &cr[0], TOL);
+        check(&format!("kv_cache_write v {what}"), &gr[1], &cr[1], TOL);
+        check(&format!("paged_attention {what}"), &gr[2], &cr[2], TOL);
     }
-    let t_kv = slots.len();
-    for (s, &len) in lens.iter().enumerate() {
-        for p in [len - 1, len / 2, 0] {
-            seq.push(s as u32);
-            pos.push(p);
-        }
-    }
-    let shape = AttnShape {
-        tokens: seq.len(),
-        q_heads: hq,
-        kv_heads: hk,
-        head_dim: d,
-        scale: 0.088,
-    };
-    let k = rng.vec(t_kv * hk * d, 2.0);
-    let v = rng.vec(t_kv * hk * d, 1.0);
-    let q = rng.vec(seq.len() * hq * d, 2.0);
-    let problem = Paged {
-        q,
-        k,
-        v,
-        slots,
-        cache_rows: n_blocks as usize * block_size,
-        tables,
-        seq,
-        pos,
-        max_blocks,
-        block_size,
-        shape,
-    };
-    let gr = paged_case(&g, &problem);
-    let cr = paged_case(&c, &problem);
-    check("kv_cache_write k", &gr[0], &cr[0], TOL);
-    check("kv_cache_write v", &gr[1], &cr[1], TOL);
-    check("paged_attention", &gr[2], &cr[2], TOL);
 }
 
 // ---- lm-head ---------------------------------------------------------------------------
@@ -1289,41 +1312,46 @@ fn timing_table() {
         "sample 64 rows top-p 0.95 (with download)",
         s * 1e3
     );
-    // Paged decode: 64 sequences at 2048 context, one query each.
-    let bs = 16;
-    let mb = 2048 / bs;
-    let kc = rand(&mut rng, 64 * 2048 * hk * d, BufKind::Compute);
-    let vc = rand(&mut rng, 64 * 2048 * hk * d, BufKind::Compute);
-    let tables = g
-        .upload_index(&(0..(64 * mb) as u32).collect::<Vec<_>>())
-        .unwrap();
-    let ts = g.upload_index(&(0..64).collect::<Vec<_>>()).unwrap();
-    let tp = g.upload_index(&[2047u32; 64]).unwrap();
-    let qd = rand(&mut rng, 64 * hq * d, BufKind::Compute);
-    let mut od = g.zeros(64 * hq * d, BufKind::Compute).unwrap();
-    let layout = PagedLayout {
-        block_tables: &tables,
-        max_blocks: mb,
-        block_size: bs,
-        token_seq: &ts,
-        token_pos: &tp,
-        max_context: 2048,
-    };
-    let dshape = AttnShape {
-        tokens: 64,
-        ..shape
-    };
-    let s = time(&g, 20, || {
-        g.paged_attention(&mut od, &qd, &kc, &vc, &layout, dshape)
-            .unwrap()
-    });
-    let bytes = (2 * 64 * 2048 * hk * d * 2) as f64;
-    println!(
-        "{:<44} {:>10.3} {:>8.1} GB/s",
-        "paged decode 64 seq x 2048 ctx",
-        s * 1e3,
-        bytes / s / 1e9
-    );
+    // Paged decode, one query per sequence at the end of its context: 64 sequences at
+    // 2048 keys, 256 at 512 (the generation benchmark's shapes), one at 32768.
+    for (seqs, ctx) in [(64usize, 2048usize), (256, 512), (1, 32768)] {
+        let bs = 16;
+        let mb = ctx / bs;
+        let kc = rand(&mut rng, seqs * ctx * hk * d, BufKind::Compute);
+        let vc = rand(&mut rng, seqs * ctx * hk * d, BufKind::Compute);
+        let tables = g
+            .upload_index(&(0..(seqs * mb) as u32).collect::<Vec<_>>())
+            .unwrap();
+        let ts = g
+            .upload_index(&(0..seqs as u32).collect::<Vec<_>>())
+            .unwrap();
+        let tp = g.upload_index(&vec![ctx as u32 - 1; seqs]).unwrap();
+        let qd = rand(&mut rng, seqs * hq * d, BufKind::Compute);
+        let mut od = g.zeros(seqs * hq * d, BufKind::Compute).unwrap();
+        let layout = PagedLayout {
+            block_tables: &tables,
+            max_blocks: mb,
+            block_size: bs,
+            token_seq: &ts,
+            token_pos: &tp,
+            max_context: ctx,
+        };
+        let dshape = AttnShape {
+            tokens: seqs,
+            ..shape
+        };
+        let s = time(&g, 20, || {
+            g.paged_attention(&mut od, &qd, &kc, &vc, &layout, dshape)
+                .unwrap()
+        });
+        let bytes = (2 * seqs * ctx * hk * d * 2) as f64;
+        println!(
+            "{:<44} {:>10.3} {:>8.1} GB/s",
+            format!("paged decode {seqs} seq x {ctx} ctx"),
+            s * 1e3,
+            bytes / s / 1e9
+        );
+    }
 }
 
 /// The kernel sources compile for Hopper; needs only NVRTC, not a GPU.

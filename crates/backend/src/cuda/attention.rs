@@ -133,3 +133,59 @@ pub(crate) fn work_lists(segments: &[Segment], with_keys: bool) -> WorkLists {
         ranges,
     }
 }
+
+/// Warps of a paged-attention block (`PAGED_WARPS` in `attention.cu`).
+pub(crate) const PAGED_WARPS: usize = 4;
+/// Most query heads one paged-attention warp takes (`PAGED_GMAX`); larger groups are
+/// split over several warps.
+pub(crate) const PAGED_MAX_GROUP: usize = 8;
+/// Shortest context split of paged attention, in keys: shorter splits would spend more on
+/// the combine pass than they gain in parallel warps.
+const PAGED_MIN_SPLIT: usize = 256;
+
+/// How paged attention splits each token's context: `(splits, split_len)`, where split
+/// `s` covers keys `[s * split_len, (s + 1) * split_len)`. Enough splits to give the
+/// device about four waves of warps (decode of a small batch is otherwise a few long
+/// walks on a few SMs), none shorter than [`PAGED_MIN_SPLIT`], one when the tokens alone
+/// fill the device (prefill). `split_len` is a multiple of the 32-key chunk.
+pub(crate) fn paged_splits(
+    tokens: usize,
+    warps_per_token: usize,
+    max_context: usize,
+    sm_count: usize,
+) -> (usize, usize) {
+    let target_warps = sm_count * 32;
+    let warps = (tokens * warps_per_token).max(1);
+    let splits = target_warps
+        .div_ceil(warps)
+        .clamp(1, max_context.div_ceil(PAGED_MIN_SPLIT).max(1));
+    let split_len = max_context.div_ceil(splits).max(1).next_multiple_of(32);
+    (max_context.div_ceil(split_len).max(1), split_len)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn paged_splits_fill_the_device_and_cover_the_context() {
+        // H100: 132 SMs. Decode of 256 sequences at 512 keys, 8 kv heads: two splits.
+        assert_eq!(paged_splits(256, 8, 512, 132), (2, 256));
+        // 64 sequences at 2048: eight splits of 256.
+        assert_eq!(paged_splits(64, 8, 2048, 132), (8, 256));
+        // One sequence at 32K: 128 splits of 256.
+        assert_eq!(paged_splits(1, 8, 32768, 132), (128, 256));
+        // Prefill of 4096 tokens: the tokens fill the device; one split.
+        assert_eq!(paged_splits(4096, 8, 4096, 132), (1, 4096));
+        // A context shorter than a chunk.
+        assert_eq!(paged_splits(1, 1, 5, 132), (1, 32));
+        for (tokens, ctx) in [(3, 1000), (100, 777), (1, 1), (7, 300)] {
+            let (splits, len) = paged_splits(tokens, 2, ctx, 132);
+            assert_eq!(len % 32, 0);
+            assert!(
+                splits * len >= ctx && (splits - 1) * len < ctx,
+                "{tokens} {ctx}"
+            );
+        }
+    }
+}

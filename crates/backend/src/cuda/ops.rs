@@ -4,7 +4,7 @@
 
 use cudarc::driver::LaunchConfig;
 
-use super::attention::{dkdv_shared_bytes, forward_shared_bytes, work_lists, THREADS};
+use super::attention::{self, dkdv_shared_bytes, forward_shared_bytes, work_lists, THREADS};
 use super::device::{
     dtype_code, int, Arg, CudaBackend, CudaBuf, HostStaging, Module, Storage, STAGING_CHUNK,
 };
@@ -1001,17 +1001,43 @@ impl Backend for CudaBackend {
             head_dim,
             scale,
         } = shape;
-        let heads_per_block = 4;
-        let kernel = attention_kernel("paged_attention", head_dim);
+        let group = q_heads / kv_heads;
+        let warps_per_token = kv_heads * group.div_ceil(attention::PAGED_MAX_GROUP);
+        let (splits, split_len) = attention::paged_splits(
+            tokens,
+            warps_per_token,
+            layout.max_context,
+            self.sm_count as usize,
+        );
+        // Splits write unnormalised partials that the combine pass merges.
+        let partials = if splits > 1 {
+            let rows = tokens * q_heads * splits;
+            Some((
+                self.alloc(rows * head_dim, BufKind::Full)?,
+                self.alloc(rows * 2, BufKind::Full)?,
+            ))
+        } else {
+            None
+        };
+        let (acc, ml) = match &partials {
+            Some((acc, ml)) => (self.p(acc), self.p(ml)),
+            None => (Arg::Ptr(0), Arg::Ptr(0)),
+        };
         self.launch(
             Module::Attention,
-            kernel,
+            attention_kernel("paged_attention", head_dim),
             cfg(
-                (tokens as u32, q_heads.div_ceil(heads_per_block) as u32, 1),
-                32 * heads_per_block as u32,
+                (
+                    tokens as u32,
+                    warps_per_token.div_ceil(attention::PAGED_WARPS) as u32,
+                    splits as u32,
+                ),
+                32 * attention::PAGED_WARPS as u32,
             ),
             &[
                 self.p(out),
+                acc,
+                ml,
                 self.p(q),
                 self.p(k_cache),
                 self.p(v_cache),
@@ -1022,9 +1048,31 @@ impl Backend for CudaBackend {
                 int(OP, "block_size", layout.block_size)?,
                 int(OP, "q_heads", q_heads)?,
                 int(OP, "kv_heads", kv_heads)?,
+                int(OP, "split_len", split_len)?,
                 Arg::F32(scale),
             ],
-        )
+        )?;
+        if let Some((acc, ml)) = &partials {
+            let rows = tokens * q_heads;
+            let warps = 4;
+            self.launch(
+                Module::Attention,
+                "paged_attention_combine",
+                cfg((rows.div_ceil(warps) as u32, 1, 1), 32 * warps as u32),
+                &[
+                    self.p(out),
+                    self.p(acc),
+                    self.p(ml),
+                    self.p(layout.token_pos),
+                    int(OP, "tokens", tokens)?,
+                    int(OP, "q_heads", q_heads)?,
+                    int(OP, "splits", splits)?,
+                    int(OP, "split_len", split_len)?,
+                    int(OP, "head_dim", head_dim)?,
+                ],
+            )?;
+        }
+        Ok(())
     }
 
     // ---- SwiGLU ----------------------------------------------------------------------

@@ -129,6 +129,13 @@ struct KeyTiles {
     __device__ u32 hi(int i) const { return min(lo(i) + K_TILE, causal(i) ? own_end : prefix_end); }
 };
 
+// Whether the 16 query rows from `warp_row` see every key of the tile [t_lo, t_hi): a full
+// tile, rows inside the query tile, and (own keys) the last key at or before the first row.
+// Such interior tiles, most of a long sequence's, skip the per-element mask.
+__device__ __forceinline__ bool sees_whole_tile(u32 t_lo, u32 t_hi, bool causal, u32 warp_row, u32 q_hi) {
+    return t_hi - t_lo == K_TILE && warp_row + 16 <= q_hi && (!causal || t_hi <= warp_row + 1);
+}
+
 // A fragments (16 rows x D) of rows row0 (lanes' g) and row0 + 8 straight from global memory.
 template <int D>
 __device__ __forceinline__ void load_a_rows(u32 (*a)[4], const bf16_t* src, u32 row0, u32 hi, int heads,
@@ -240,18 +247,30 @@ __device__ void attention_forward_impl(bf16_t* out, float* lse, const bf16_t* q,
             for (int nt = 0; nt < NT; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
             mma_a_tileT<D, NT>(s, qa, ks, lane);
             float mx0 = NEG_INF, mx1 = NEG_INF;
+            if (sees_whole_tile(t_lo, t_hi, causal, q_lo + warp * 16, q_hi)) {
 #pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
+                for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-                for (int c = 0; c < 4; ++c) {
-                    u32 key = t_lo + nt * 8 + t * 2 + (c & 1);
-                    u32 row = c < 2 ? row0 : row1;
-                    bool ok = key < t_hi && row < q_hi && (!causal || key <= row);
-                    float val = ok ? s[nt][c] * sl : NEG_INF;
-                    s[nt][c] = val;
-                    if (c < 2) mx0 = fmaxf(mx0, val);
-                    else mx1 = fmaxf(mx1, val);
-                }
+                    for (int c = 0; c < 4; ++c) {
+                        float val = s[nt][c] * sl;
+                        s[nt][c] = val;
+                        if (c < 2) mx0 = fmaxf(mx0, val);
+                        else mx1 = fmaxf(mx1, val);
+                    }
+            } else {
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                    for (int c = 0; c < 4; ++c) {
+                        u32 key = t_lo + nt * 8 + t * 2 + (c & 1);
+                        u32 row = c < 2 ? row0 : row1;
+                        bool ok = key < t_hi && row < q_hi && (!causal || key <= row);
+                        float val = ok ? s[nt][c] * sl : NEG_INF;
+                        s[nt][c] = val;
+                        if (c < 2) mx0 = fmaxf(mx0, val);
+                        else mx1 = fmaxf(mx1, val);
+                    }
+            }
             float mn0 = fmaxf(m0, quad_max(mx0)), mn1 = fmaxf(m1, quad_max(mx1));
             // A row with no visible key yet keeps m = -inf; exp2 against 0 then gives 0, not NaN.
             float b0 = mn0 == NEG_INF ? 0.0f : mn0, b1 = mn1 == NEG_INF ? 0.0f : mn1;
@@ -368,16 +387,26 @@ __device__ void attention_backward_dq_impl(bf16_t* dq, const bf16_t* dout, const
                 for (int c = 0; c < 4; ++c) s[nt][c] = dp[nt][c] = 0.0f;
             mma_a_tileT<D, NT>(s, qa, ks, lane);
             mma_a_tileT<D, NT>(dp, da, vs, lane);
+            if (sees_whole_tile(t_lo, t_hi, causal, q_lo + warp * 16, q_hi)) {
 #pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
+                for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-                for (int c = 0; c < 4; ++c) {
-                    u32 key = t_lo + nt * 8 + t * 2 + (c & 1);
-                    u32 row = c < 2 ? row0 : row1;
-                    bool ok = key < t_hi && row < q_hi && (!causal || key <= row);
-                    float p = ok ? exp2f(s[nt][c] * sl - (c < 2 ? lse0 : lse1)) : 0.0f;
-                    s[nt][c] = p * (dp[nt][c] - (c < 2 ? dl0 : dl1));
-                }
+                    for (int c = 0; c < 4; ++c) {
+                        float p = exp2f(s[nt][c] * sl - (c < 2 ? lse0 : lse1));
+                        s[nt][c] = p * (dp[nt][c] - (c < 2 ? dl0 : dl1));
+                    }
+            } else {
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                    for (int c = 0; c < 4; ++c) {
+                        u32 key = t_lo + nt * 8 + t * 2 + (c & 1);
+                        u32 row = c < 2 ? row0 : row1;
+                        bool ok = key < t_hi && row < q_hi && (!causal || key <= row);
+                        float p = ok ? exp2f(s[nt][c] * sl - (c < 2 ? lse0 : lse1)) : 0.0f;
+                        s[nt][c] = p * (dp[nt][c] - (c < 2 ? dl0 : dl1));
+                    }
+            }
             mma_p_tile<D, K_TILE / 16>(acc, s, ks, lane);
         }
         __syncthreads();
@@ -535,73 +564,181 @@ __device__ void attention_backward_dkdv_impl(bf16_t* dk, bf16_t* dv, const bf16_
     }
 }
 
-// Paged attention: one warp per (query token, q head), 4 heads of consecutive kv groups per
-// block so their K/V rows are shared through L1. Keys are walked in chunks of 32, one key
-// per lane: each lane reads its key's row with 16-byte loads and dots it with q (in shared
-// memory, broadcast); the chunk's online-softmax update is one warp max and one warp sum;
-// then the lanes, each owning D/32 dims, accumulate the 32 V rows (coalesced loads).
+// Paged attention over the KV cache, split over the context (flash-decoding). Version 3.
+// One warp per (query token, kv head, context split): the (up to 8) query heads of the
+// kv head's group share every K/V row the warp reads, so the cache is read once per kv
+// head, not once per query head. Keys are walked in chunks of 32, one key per lane for the
+// scores (the lane's K row arrives as D/8 16-byte loads, all issued before the dot
+// products); then every lane loads its D/32 dims of all 32 V rows (issued together,
+// unrolled) before accumulating P·V, so a chunk costs about one memory latency, not 32 as
+// in version 2's serial V walk. The softmax denominator stays per lane until the end (the
+// running max is warp-uniform, so rescaling commutes with the final warp sum).
+// With one split the warp writes `out`; otherwise it writes its unnormalised accumulator
+// and (max, sum) to `part_acc` / `part_ml`, and `paged_attention_combine` merges the
+// splits of each query head. Split boundaries are multiples of `split_len` keys, so a
+// token's result depends on its context and `split_len` only.
+#define PAGED_WARPS 4  // kv heads per block
+#define PAGED_GMAX 8   // most query heads per kv head (Qwen3-32B: 64 / 8)
+
 template <int D>
-__device__ void paged_attention_impl(bf16_t* out, const bf16_t* q, const bf16_t* k_cache,
-                                     const bf16_t* v_cache, const u32* block_tables, const u32* token_seq,
-                                     const u32* token_pos, int max_blocks, int block_size, int q_heads,
-                                     int kv_heads, float scale) {
-    constexpr int DL = D / 32;
-    __shared__ __align__(16) float qs[4][D];
+__device__ void paged_attention_impl(bf16_t* out, float* part_acc, float* part_ml, const bf16_t* q,
+                                     const bf16_t* k_cache, const bf16_t* v_cache, const u32* block_tables,
+                                     const u32* token_seq, const u32* token_pos, int max_blocks,
+                                     int block_size, int q_heads, int kv_heads, int split_len, float scale) {
+    constexpr int DL = D / 32;  // dims per lane in P·V
+    constexpr int DW = D / 8;   // 16-byte words per K row
+    __shared__ __align__(16) float qs[PAGED_WARPS][PAGED_GMAX][D];
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    int h = blockIdx.y * 4 + warp;
-    if (h >= q_heads) return;  // whole warp; no block-wide barrier below
-    int t = blockIdx.x, kvh = h / (q_heads / kv_heads);
+    // A group of more than PAGED_GMAX query heads is taken by several warps.
+    int group = q_heads / kv_heads, parts = (group + PAGED_GMAX - 1) / PAGED_GMAX;
+    int wi = blockIdx.y * PAGED_WARPS + warp;
+    if (wi >= kv_heads * parts) return;  // whole warp; no block-wide barrier below
+    int kvh = wi / parts, part = wi % parts;
+    int G = min(PAGED_GMAX, group - part * PAGED_GMAX);  // query heads of this warp
+    int t = blockIdx.x, split = blockIdx.z, nsplit = gridDim.z;
     u32 seq = token_seq[t], pos = token_pos[t];
-    i64 row = (i64)t * q_heads + h;
-    for (int d = lane; d < D; d += 32) qs[warp][d] = bf2f(q[row * D + d]) * scale * LOG2E;
+    u32 k_lo = (u32)split * split_len;
+    if (k_lo > pos) return;
+    u32 k_hi = min(pos + 1, k_lo + (u32)split_len);
+    i64 q_row = (i64)t * q_heads + (i64)kvh * group + part * PAGED_GMAX;  // the warp's first query head
+    for (int i = lane; i < G * D; i += 32) qs[warp][i / D][i % D] = bf2f(q[q_row * D + i]) * scale * LOG2E;
     __syncwarp();
     const u32* table = block_tables + (i64)seq * max_blocks;
-    float acc[DL];
+    float acc[PAGED_GMAX][DL], m[PAGED_GMAX], l[PAGED_GMAX];
 #pragma unroll
-    for (int j = 0; j < DL; ++j) acc[j] = 0.0f;
-    float m = NEG_INF, l = 0.0f;
-    for (u32 c0 = 0; c0 <= pos; c0 += 32) {
+    for (int h = 0; h < PAGED_GMAX; ++h) {
+        m[h] = NEG_INF;
+        l[h] = 0.0f;
+#pragma unroll
+        for (int e = 0; e < DL; ++e) acc[h][e] = 0.0f;
+    }
+    for (u32 c0 = k_lo; c0 < k_hi; c0 += 32) {
         u32 key = c0 + lane;
-        bool valid = key <= pos;
+        bool valid = key < k_hi;
+        int n = (int)min(32u, k_hi - c0);
         i64 base = 0;
-        float s = NEG_INF;
         if (valid) {
             i64 slot = (i64)table[key / block_size] * block_size + key % block_size;
             base = (slot * kv_heads + kvh) * D;
-            const uint4* kp = (const uint4*)(k_cache + base);
-            float dot = 0.0f;
-#pragma unroll
-            for (int c = 0; c < D / 8; ++c) {
-                uint4 kv = kp[c];
-                const float* qq = &qs[warp][c * 8];
-                u32 w[4] = {kv.x, kv.y, kv.z, kv.w};
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    dot = fmaf(qq[2 * e], __uint_as_float(w[e] << 16), dot);
-                    dot = fmaf(qq[2 * e + 1], __uint_as_float(w[e] & 0xffff0000u), dot);
-                }
-            }
-            s = dot;
         }
-        float m_new = fmaxf(m, warp_max(s));
-        float corr = exp2f(m - m_new);
-        float p = valid ? exp2f(s - m_new) : 0.0f;
-        l = l * corr + warp_sum(p);
+        uint4 kw[DW];
+        const uint4* kp = (const uint4*)(k_cache + base);
 #pragma unroll
-        for (int j = 0; j < DL; ++j) acc[j] *= corr;
-        m = m_new;
-        int n = (int)min(32u, pos + 1 - c0);
-        for (int j = 0; j < n; ++j) {
-            float pj = __shfl_sync(0xffffffffu, p, j);
+        for (int c = 0; c < DW; ++c) kw[c] = valid ? kp[c] : make_uint4(0, 0, 0, 0);
+        // V as raw bf16 pairs (DL / 2 words a key, or one bf16 at D = 32): half the
+        // registers of floats, converted once per key in the P·V loop.
+        constexpr int VW = DL >= 2 ? DL / 2 : 1;
+        u32 vw[32][VW];
+#pragma unroll
+        for (int j = 0; j < 32; ++j) {
             i64 bj = __shfl_sync(0xffffffffu, base, j);
             const bf16_t* vp = v_cache + bj + lane * DL;
 #pragma unroll
-            for (int e = 0; e < DL; ++e) acc[e] = fmaf(pj, bf2f(vp[e]), acc[e]);
+            for (int w = 0; w < VW; ++w) vw[j][w] = 0u;
+            if (j < n) {
+                if constexpr (DL >= 2) {
+#pragma unroll
+                    for (int w = 0; w < VW; ++w) vw[j][w] = ((const u32*)vp)[w];
+                } else {
+                    vw[j][0] = (u32)*vp;
+                }
+            }
+        }
+        float p[PAGED_GMAX];
+#pragma unroll
+        for (int h = 0; h < PAGED_GMAX; ++h) {
+            p[h] = 0.0f;
+            if (h >= G) continue;
+            float s = 0.0f;
+#pragma unroll
+            for (int c = 0; c < DW; ++c) {
+                const float4* qq = (const float4*)&qs[warp][h][c * 8];
+                float4 a = qq[0], b = qq[1];
+                u32 w[4] = {kw[c].x, kw[c].y, kw[c].z, kw[c].w};
+                s = fmaf(a.x, __uint_as_float(w[0] << 16), s);
+                s = fmaf(a.y, __uint_as_float(w[0] & 0xffff0000u), s);
+                s = fmaf(a.z, __uint_as_float(w[1] << 16), s);
+                s = fmaf(a.w, __uint_as_float(w[1] & 0xffff0000u), s);
+                s = fmaf(b.x, __uint_as_float(w[2] << 16), s);
+                s = fmaf(b.y, __uint_as_float(w[2] & 0xffff0000u), s);
+                s = fmaf(b.z, __uint_as_float(w[3] << 16), s);
+                s = fmaf(b.w, __uint_as_float(w[3] & 0xffff0000u), s);
+            }
+            s = valid ? s : NEG_INF;
+            float m_new = fmaxf(m[h], warp_max(s));
+            float corr = exp2f(m[h] - m_new);
+            p[h] = valid ? exp2f(s - m_new) : 0.0f;
+            l[h] = l[h] * corr + p[h];
+            m[h] = m_new;
+#pragma unroll
+            for (int e = 0; e < DL; ++e) acc[h][e] *= corr;
+        }
+#pragma unroll
+        for (int j = 0; j < 32; ++j) {
+            float vf[DL];
+            if constexpr (DL >= 2) {
+#pragma unroll
+                for (int w = 0; w < VW; ++w) {
+                    vf[2 * w] = __uint_as_float(vw[j][w] << 16);
+                    vf[2 * w + 1] = __uint_as_float(vw[j][w] & 0xffff0000u);
+                }
+            } else {
+                vf[0] = __uint_as_float(vw[j][0] << 16);
+            }
+#pragma unroll
+            for (int h = 0; h < PAGED_GMAX; ++h) {
+                if (h >= G) continue;
+                float pj = __shfl_sync(0xffffffffu, p[h], j);
+#pragma unroll
+                for (int e = 0; e < DL; ++e) acc[h][e] = fmaf(pj, vf[e], acc[h][e]);
+            }
         }
     }
-    float inv_l = 1.0f / l;
 #pragma unroll
-    for (int e = 0; e < DL; ++e) out[row * D + lane * DL + e] = f2bf(acc[e] * inv_l);
+    for (int h = 0; h < PAGED_GMAX; ++h) {
+        if (h >= G) break;
+        float l_sum = warp_sum(l[h]);
+        i64 row = q_row + h;
+        if (nsplit == 1) {
+            float inv_l = 1.0f / l_sum;
+#pragma unroll
+            for (int e = 0; e < DL; ++e) out[row * D + lane * DL + e] = f2bf(acc[h][e] * inv_l);
+        } else {
+            i64 part = row * nsplit + split;
+#pragma unroll
+            for (int e = 0; e < DL; ++e) part_acc[part * D + lane * DL + e] = acc[h][e];
+            if (lane == 0) {
+                part_ml[part * 2] = m[h];
+                part_ml[part * 2 + 1] = l_sum;
+            }
+        }
+    }
+}
+
+// Merges the context splits of paged attention: one warp per (query token, query head).
+// The weights are relative to the splits' largest max, the same arithmetic for one split
+// as the direct write above (exp2(0) = 1, 0 + x = x), so results do not depend on the
+// number of splits the host chose for other tokens.
+extern "C" __global__ void paged_attention_combine(bf16_t* out, const float* part_acc, const float* part_ml,
+                                                   const u32* token_pos, int tokens, int q_heads, int nsplit,
+                                                   int split_len, int head_dim) {
+    int lane = threadIdx.x & 31;
+    i64 row = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (row >= (i64)tokens * q_heads) return;
+    int t = (int)(row / q_heads);
+    int n = (int)(token_pos[t] / (u32)split_len) + 1;  // splits that hold keys
+    const float* ml = part_ml + row * nsplit * 2;
+    float mx = NEG_INF;
+    for (int s = 0; s < n; ++s) mx = fmaxf(mx, ml[s * 2]);
+    float l_sum = 0.0f;
+    for (int s = 0; s < n; ++s) l_sum += ml[s * 2 + 1] * exp2f(ml[s * 2] - mx);
+    float inv_l = 1.0f / l_sum;
+    const float* acc = part_acc + row * nsplit * head_dim;
+    for (int d = lane; d < head_dim; d += 32) {
+        float o = 0.0f;
+        for (int s = 0; s < n; ++s) o += acc[(i64)s * head_dim + d] * exp2f(ml[s * 2] - mx);
+        out[row * head_dim + d] = f2bf(o * inv_l);
+    }
 }
 
 // k_cache[slots[t], :, :] = k[t, :, :] and the same for v; `row` = kv_heads * head_dim.
@@ -637,11 +774,11 @@ extern "C" __global__ void kv_cache_write(bf16_t* k_cache, bf16_t* v_cache, cons
                                         ranges, q_heads, kv_heads, scale);                                  \
     }                                                                                                       \
     extern "C" __global__ void paged_attention_d##D(                                                        \
-        bf16_t* out, const bf16_t* q, const bf16_t* k_cache, const bf16_t* v_cache, const u32* block_tables, \
-        const u32* token_seq, const u32* token_pos, int max_blocks, int block_size, int q_heads,            \
-        int kv_heads, float scale) {                                                                        \
-        paged_attention_impl<D>(out, q, k_cache, v_cache, block_tables, token_seq, token_pos, max_blocks,  \
-                                block_size, q_heads, kv_heads, scale);                                      \
+        bf16_t* out, float* part_acc, float* part_ml, const bf16_t* q, const bf16_t* k_cache,              \
+        const bf16_t* v_cache, const u32* block_tables, const u32* token_seq, const u32* token_pos,         \
+        int max_blocks, int block_size, int q_heads, int kv_heads, int split_len, float scale) {           \
+        paged_attention_impl<D>(out, part_acc, part_ml, q, k_cache, v_cache, block_tables, token_seq,      \
+                                token_pos, max_blocks, block_size, q_heads, kv_heads, split_len, scale);   \
     }
 
 ATTENTION_INSTANCES(32)
