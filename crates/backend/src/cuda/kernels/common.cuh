@@ -66,3 +66,24 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
     v = lane < nwarps ? scratch[lane] : NEG_INF;
     return warp_max(v);
 }
+
+// Eight bf16 (16 bytes) as floats, and back with f2bf's rounding: the wide paths of the
+// memory-bound kernels, taken when every operand is bf16 and 16-byte aligned.
+__device__ __forceinline__ void ld_bf16x8(float* f, const void* p) {
+    uint4 w = *(const uint4*)p;
+    u32 a[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        f[2 * e] = __uint_as_float(a[e] << 16);
+        f[2 * e + 1] = __uint_as_float(a[e] & 0xffff0000u);
+    }
+}
+
+__device__ __forceinline__ void st_bf16x8(void* p, const float* f) {
+    u32 a[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) a[e] = (u32)f2bf(f[2 * e]) | ((u32)f2bf(f[2 * e + 1]) << 16);
+    *(uint4*)p = make_uint4(a[0], a[1], a[2], a[3]);
+}
+
+__device__ __forceinline__ bool aligned16(const void* p) { return ((unsigned long long)p & 15ull) == 0; }

@@ -100,6 +100,18 @@ __device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + __expf
 // out = silu(gate) * up.
 extern "C" __global__ void swiglu_forward(void* out, int odt, const void* gate, int gdt, const void* up,
                                           int udt, i64 n) {
+    if (odt == DT_BF16 && gdt == DT_BF16 && udt == DT_BF16 && n % 8 == 0 && aligned16(out) &&
+        aligned16(gate) && aligned16(up)) {
+        for (i64 i = (blockIdx.x * (i64)blockDim.x + threadIdx.x) * 8; i < n; i += (i64)gridDim.x * blockDim.x * 8) {
+            float g[8], u[8], o[8];
+            ld_bf16x8(g, (const bf16_t*)gate + i);
+            ld_bf16x8(u, (const bf16_t*)up + i);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) o[e] = g[e] * sigmoid(g[e]) * u[e];
+            st_bf16x8((bf16_t*)out + i, o);
+        }
+        return;
+    }
     for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
         float g = ldf(gate, gdt, i);
         stf(out, odt, i, g * sigmoid(g) * ldf(up, udt, i));
@@ -110,6 +122,24 @@ extern "C" __global__ void swiglu_forward(void* out, int odt, const void* gate, 
 extern "C" __global__ void swiglu_backward(void* dgate, int dgdt, void* dup, int dudt, const void* dout,
                                            int ddt, const void* gate, int gdt, const void* up, int udt,
                                            i64 n) {
+    if (dgdt == DT_BF16 && dudt == DT_BF16 && ddt == DT_BF16 && gdt == DT_BF16 && udt == DT_BF16 && n % 8 == 0 &&
+        aligned16(dgate) && aligned16(dup) && aligned16(dout) && aligned16(gate) && aligned16(up)) {
+        for (i64 i = (blockIdx.x * (i64)blockDim.x + threadIdx.x) * 8; i < n; i += (i64)gridDim.x * blockDim.x * 8) {
+            float g[8], u[8], d[8], dg[8], du[8];
+            ld_bf16x8(g, (const bf16_t*)gate + i);
+            ld_bf16x8(u, (const bf16_t*)up + i);
+            ld_bf16x8(d, (const bf16_t*)dout + i);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                float s = sigmoid(g[e]);
+                du[e] = d[e] * g[e] * s;
+                dg[e] = d[e] * u[e] * s * (1.0f + g[e] * (1.0f - s));
+            }
+            st_bf16x8((bf16_t*)dup + i, du);
+            st_bf16x8((bf16_t*)dgate + i, dg);
+        }
+        return;
+    }
     for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
         float g = ldf(gate, gdt, i), u = ldf(up, udt, i), d = ldf(dout, ddt, i);
         float s = sigmoid(g);

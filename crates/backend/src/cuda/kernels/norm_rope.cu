@@ -7,6 +7,32 @@ extern "C" __global__ void rmsnorm_forward(void* out, int odt, void* rstd, int r
                                            const void* w, int wdt, int rows, int dim, float eps) {
     int lane = threadIdx.x & 31;
     int warps = blockDim.x >> 5;
+    if (odt == DT_BF16 && xdt == DT_BF16 && wdt == DT_BF16 && dim % 8 == 0 && aligned16(out) && aligned16(x) &&
+        aligned16(w)) {
+        const bf16_t *xb = (const bf16_t*)x, *wb = (const bf16_t*)w;
+        for (int r = blockIdx.x * warps + (threadIdx.x >> 5); r < rows; r += gridDim.x * warps) {
+            i64 base = (i64)r * dim;
+            float ss = 0.0f;
+            for (int c = lane * 8; c < dim; c += 256) {
+                float v[8];
+                ld_bf16x8(v, xb + base + c);
+#pragma unroll
+                for (int e = 0; e < 8; ++e) ss = fmaf(v[e], v[e], ss);
+            }
+            ss = warp_sum(ss);
+            float rs = rsqrtf(ss / (float)dim + eps);
+            if (lane == 0) stf(rstd, rdt, r, rs);
+            for (int c = lane * 8; c < dim; c += 256) {
+                float v[8], wv[8];
+                ld_bf16x8(v, xb + base + c);
+                ld_bf16x8(wv, wb + c);
+#pragma unroll
+                for (int e = 0; e < 8; ++e) v[e] = v[e] * rs * wv[e];
+                st_bf16x8((bf16_t*)out + base + c, v);
+            }
+        }
+        return;
+    }
     for (int r = blockIdx.x * warps + (threadIdx.x >> 5); r < rows; r += gridDim.x * warps) {
         i64 base = (i64)r * dim;
         float ss = 0.0f;
@@ -29,6 +55,35 @@ extern "C" __global__ void rmsnorm_backward_dx(void* dx, int dxdt, const void* d
                                                int rows, int dim) {
     int lane = threadIdx.x & 31;
     int warps = blockDim.x >> 5;
+    if (dxdt == DT_BF16 && ddt == DT_BF16 && xdt == DT_BF16 && wdt == DT_BF16 && dim % 8 == 0 && aligned16(dx) &&
+        aligned16(dout) && aligned16(x) && aligned16(w)) {
+        const bf16_t *db = (const bf16_t*)dout, *xb = (const bf16_t*)x, *wb = (const bf16_t*)w;
+        for (int r = blockIdx.x * warps + (threadIdx.x >> 5); r < rows; r += gridDim.x * warps) {
+            i64 base = (i64)r * dim;
+            float dot = 0.0f;
+            for (int c = lane * 8; c < dim; c += 256) {
+                float d[8], xv[8], wv[8];
+                ld_bf16x8(d, db + base + c);
+                ld_bf16x8(xv, xb + base + c);
+                ld_bf16x8(wv, wb + c);
+#pragma unroll
+                for (int e = 0; e < 8; ++e) dot += d[e] * wv[e] * xv[e];
+            }
+            dot = warp_sum(dot);
+            float rs = ldf(rstd, rdt, r);
+            float k = rs * rs * rs * dot / (float)dim;
+            for (int c = lane * 8; c < dim; c += 256) {
+                float d[8], xv[8], wv[8], o[8];
+                ld_bf16x8(d, db + base + c);
+                ld_bf16x8(xv, xb + base + c);
+                ld_bf16x8(wv, wb + c);
+#pragma unroll
+                for (int e = 0; e < 8; ++e) o[e] = rs * d[e] * wv[e] - k * xv[e];
+                st_bf16x8((bf16_t*)dx + base + c, o);
+            }
+        }
+        return;
+    }
     for (int r = blockIdx.x * warps + (threadIdx.x >> 5); r < rows; r += gridDim.x * warps) {
         i64 base = (i64)r * dim;
         float dot = 0.0f;
@@ -49,6 +104,31 @@ extern "C" __global__ void rope(void* x, int xdt, const u32* positions, const fl
                                 int heads, int head_dim, int inverse) {
     int half = head_dim / 2;
     i64 total = (i64)tokens * heads * half;
+    if (xdt == DT_BF16 && half % 8 == 0 && aligned16(x)) {
+        // Eight consecutive pairs per thread: 16-byte loads of both halves.
+        bf16_t* xb = (bf16_t*)x;
+        for (i64 idx = (blockIdx.x * (i64)blockDim.x + threadIdx.x) * 8; idx < total;
+             idx += (i64)gridDim.x * blockDim.x * 8) {
+            int i0 = (int)(idx % half);
+            i64 th = idx / half;
+            float pos = (float)positions[th / heads];
+            i64 base = th * head_dim + i0;
+            float x1[8], x2[8], y1[8], y2[8];
+            ld_bf16x8(x1, xb + base);
+            ld_bf16x8(x2, xb + base + half);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                float s, c;
+                sincosf(pos * inv_freq[i0 + e], &s, &c);
+                if (inverse) s = -s;
+                y1[e] = x1[e] * c - x2[e] * s;
+                y2[e] = x2[e] * c + x1[e] * s;
+            }
+            st_bf16x8(xb + base, y1);
+            st_bf16x8(xb + base + half, y2);
+        }
+        return;
+    }
     for (i64 idx = blockIdx.x * (i64)blockDim.x + threadIdx.x; idx < total; idx += (i64)gridDim.x * blockDim.x) {
         int i = (int)(idx % half);
         i64 th = idx / half;  // token * heads + head
