@@ -562,6 +562,21 @@ fn column_order(objects: &[Map<String, Value>]) -> Vec<String> {
 type LocatedObject = (Location, Map<String, Value>);
 
 fn read_parquet_objects(path: &Path) -> Result<Vec<LocatedObject>, DatasetError> {
+    // The parquet crate panics on some corrupt files (a division by zero while decoding a
+    // mangled dictionary page; tests/fuzz.rs found it): such a file is bad input, so it
+    // errs naming the file like any other decode failure.
+    std::panic::catch_unwind(|| decode_parquet_objects(path)).unwrap_or_else(|panic| {
+        Err(DatasetError::Parquet {
+            path: path.to_path_buf(),
+            cause: parquet::errors::ParquetError::General(format!(
+                "the file is corrupt: the parquet reader failed with \"{}\"",
+                crate::scoring::panic_message(panic.as_ref())
+            )),
+        })
+    })
+}
+
+fn decode_parquet_objects(path: &Path) -> Result<Vec<LocatedObject>, DatasetError> {
     let parquet_err = |cause| DatasetError::Parquet {
         path: path.to_path_buf(),
         cause,

@@ -82,14 +82,11 @@ impl<T: Send + 'static> Scorer<T> {
         let sender = self.sender.clone();
         self.outstanding += 1;
         self.pool.spawn_fifo(move || {
-            let result = catch_unwind(AssertUnwindSafe(job)).map_err(|panic| {
-                let message = panic
-                    .downcast_ref::<&str>()
-                    .map(|s| s.to_string())
-                    .or_else(|| panic.downcast_ref::<String>().cloned())
-                    .unwrap_or_else(|| "non-string panic".to_string());
-                ScoringError::Panicked { id, message }
-            });
+            let result =
+                catch_unwind(AssertUnwindSafe(job)).map_err(|panic| ScoringError::Panicked {
+                    id,
+                    message: panic_message(panic.as_ref()),
+                });
             // The receiver lives as long as the scorer; a dropped scorer discards results.
             let _ = sender.send(Scored { id, result });
         });
@@ -149,4 +146,13 @@ where
 {
     let pool = build_pool(threads)?;
     Ok(pool.install(|| items.par_iter().map(&score).collect()))
+}
+
+/// The message of a caught panic (`panic!` payloads are a `&str` or a `String`).
+pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "non-string panic".to_string())
 }
