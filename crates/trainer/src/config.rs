@@ -984,7 +984,7 @@ impl Config {
         }
     }
 
-    /// DAPO's dynamic sampling and overlong buffer (the rl crate repeats the first two).
+    /// DAPO's dynamic sampling and overlong buffer (the rl crate repeats some of these).
     fn check_dapo(&self, problems: &mut Vec<String>) {
         let a = &self.trainer.algorithm;
         let dynamic = &a.dynamic_sampling;
@@ -995,6 +995,14 @@ impl Config {
                      batches of prompts a step samples (the first included), so at least 1"
                         .into(),
                 );
+            }
+            let ratio = dynamic.min_replace_ratio;
+            if !(0.0..1.0).contains(&ratio) {
+                problems.push(format!(
+                    "trainer.algorithm.dynamic_sampling.min_replace_ratio is {ratio}; it must \
+                     be in [0, 1) (the share of groups with a learning signal above which \
+                     `replace` fills the others' places)"
+                ));
             }
             if self.generator.n_samples_per_prompt == 1 {
                 problems.push(

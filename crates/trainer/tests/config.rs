@@ -390,13 +390,23 @@ fn dapo_options_are_off_by_default_and_their_errors_name_the_key() {
 
     let message = Config::load(
         None,
-        &overrides(&["trainer.algorithm.dynamic_sampling.type=\"replace\""]),
+        &overrides(&["trainer.algorithm.dynamic_sampling.type=\"resample\""]),
     )
     .unwrap_err()
     .to_string();
     assert!(
         message.contains("'trainer.algorithm.dynamic_sampling.type'"),
         "{message}"
+    );
+    let problems = invalid_messages(&[
+        "trainer.algorithm.dynamic_sampling.type=\"replace\"",
+        "trainer.algorithm.dynamic_sampling.min_replace_ratio=1.5",
+    ]);
+    assert!(
+        problems
+            .iter()
+            .any(|p| p.contains("trainer.algorithm.dynamic_sampling.min_replace_ratio is 1.5")),
+        "{problems:?}"
     );
     assert!(message.contains("filter"), "{message}");
 }
