@@ -2,7 +2,8 @@
 # Speed work in one device call: the CUDA tests of a new build, then the same benchmarks
 # with the new binary and a baseline binary side by side (same card, same call), then the
 # peers. Parts (PARTS, default all):
-#   tests   the CUDA test binaries present (cuda_ops, cuda_transformer, cuda)
+#   tests   the CUDA test binaries present (TESTS, default cuda_ops cuda_transformer cuda
+#           cuda_collective); full output in $OUT/<name>.log
 #   kernels cuda_ops's timing table, new and (if present) base/cuda_ops
 #   gen     `floe bench generate` at the 1.7B shape: batch 64,256 × 256+256 and batch 128 ×
 #           1024+1024, new and base
@@ -42,7 +43,7 @@ bins() { echo ./floe; [ -x base/floe ] && echo base/floe; }
 nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv | tee -a "$B"
 if part tests; then
   # Full output per binary in $OUT/<name>.log; the summary and any failure here.
-  for t in cuda_ops cuda_transformer cuda cuda_collective; do
+  for t in ${TESTS:-cuda_ops cuda_transformer cuda cuda_collective}; do
     [ -x "$t" ] || continue
     echo "== $t (t=$(elapsed)s)" | tee -a "$B"
     timeout 150 ./"$t" --test-threads=1 --nocapture > "${OUT:-.}/$t.log" 2>&1

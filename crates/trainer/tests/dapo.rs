@@ -240,7 +240,10 @@ fn replace_sampling_fills_silent_groups_with_copies_of_groups_with_a_signal() {
         // Every trained group is a 1/0 pair: every advantage is ±a.
         let abs = m["loss/avg_raw_advantages_abs"];
         assert!(abs > 0.5, "{abs}");
-        assert!((m["loss/avg_raw_advantages"]).abs() < 1e-9 * abs.max(1.0), "{m:?}");
+        assert!(
+            (m["loss/avg_raw_advantages"]).abs() < 1e-9 * abs.max(1.0),
+            "{m:?}"
+        );
     }
     let state = state(dir.path());
     assert_eq!(state.optimizer_steps, 4);
