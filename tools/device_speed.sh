@@ -14,6 +14,8 @@
 #   peers   ../shared/bench/peer_torch.py: generate with --compile (batch 256, 256+256) and
 #           train with Liger (8 × 2048, checkpointing; installs the wheel)
 #   long    one 32768-token sequence, new and base, and Liger (after peers)
+#   host    the host's memory bandwidth and torch's fused CPU AdamW (host_bandwidth.py),
+#           the bound on the offloaded optimizer
 #
 # Prepare here, from the repository root (`.device/` is in .git/info/exclude):
 #   CARGO_TARGET_DIR=target-cuda cargo build --release -p floe-cli --features cuda
@@ -21,7 +23,7 @@
 #   cp the test binaries (cargo test ... --no-run prints them) to .device/<test name>
 #   a baseline build's floe (and cuda_ops) to .device/base/
 #   cp ../shared/bench/peer_torch.py ../shared/bench/wheels/liger*.whl tools/device_speed.sh \
-#     crates/server/bench/concurrent_sample.py .device/
+#     tools/host_bandwidth.py crates/server/bench/concurrent_sample.py .device/
 # then run `bash .device/device_speed.sh` with `.device` carried. Results in $OUT/speed.log.
 cd "$(dirname "$0")"
 # Binaries travel gzipped (the carried folder is capped at 64 MiB).
@@ -93,5 +95,8 @@ if part long; then
     TAIL=8 run 100 "$f" bench train --device cuda:0 --model 1.7B --random-init --batch 1 --seq 32768 --iters 2 --warmup 1
   done
   run 100 python3 peer_torch.py --model 1.7B --mode train --batch 1 --seq 32768 --iters 2 --warmup 1 --liger
+fi
+if part host; then
+  run 90 python3 host_bandwidth.py
 fi
 echo "== done (t=$(elapsed)s)" | tee -a "$B"

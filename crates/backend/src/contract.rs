@@ -43,6 +43,8 @@ pub struct PagedLens<'a> {
     pub token_pos: Ids<'a>,
     /// Every position must be below this.
     pub max_context: usize,
+    /// [`crate::PagedLayout::runs`].
+    pub runs: &'a [crate::QueryRun],
 }
 
 fn shape_error(op: &'static str, msg: String) -> Error {
@@ -408,7 +410,43 @@ pub fn paged_attention(
         max_blocks,
         format!("rows of max_blocks {max_blocks}"),
     )?;
-    in_range(OP, "token_pos", layout.token_pos, layout.max_context)
+    in_range(OP, "token_pos", layout.token_pos, layout.max_context)?;
+    query_runs(OP, layout.runs, layout.token_pos)
+}
+
+/// Runs in token order, disjoint, non-empty and inside the call's tokens; on the host,
+/// their positions consecutive.
+fn query_runs(op: &'static str, runs: &[crate::QueryRun], token_pos: Ids<'_>) -> Result<()> {
+    let tokens = token_pos.len();
+    let mut next_free = 0usize;
+    for (i, run) in runs.iter().enumerate() {
+        let (first, len) = (run.first as usize, run.len as usize);
+        if len == 0 || first < next_free || first + len > tokens {
+            return Err(shape_error(
+                op,
+                format!(
+                    "`runs[{i}]` (tokens {first}..{}) is empty, overlaps the run before it or \
+                     passes the {tokens} tokens",
+                    first + len
+                ),
+            ));
+        }
+        if let Ids::Host(pos) = token_pos {
+            if let Some(at) = (first + 1..first + len).find(|&t| pos[t] != pos[t - 1] + 1) {
+                return Err(shape_error(
+                    op,
+                    format!(
+                        "`runs[{i}]` covers token {at} at position {} after position {}: \
+                         a run's positions must be consecutive",
+                        pos[at],
+                        pos[at - 1]
+                    ),
+                ));
+            }
+        }
+        next_free = first + len;
+    }
+    Ok(())
 }
 
 /// [`Backend::swiglu_forward`].
@@ -588,12 +626,33 @@ mod tests {
             token_seq: 1,
             token_pos,
             max_context: 5,
+            runs: &[],
         };
         let paged = |cache, lens| paged_attention(8, 8, cache, cache, lens, shape);
         paged(24, layout(6, Ids::Host(&[4]))).unwrap();
         assert!(message(paged(20, layout(6, Ids::Device(1)))).contains("whole blocks"));
         assert!(message(paged(24, layout(5, Ids::Device(1)))).contains("max_blocks 3"));
         assert!(message(paged(24, layout(6, Ids::Host(&[5])))).contains("`token_pos[0]` = 5"));
+        let run = |first, len| crate::QueryRun { first, len };
+        for (runs, ok) in [
+            ([run(0, 1)], true),
+            ([run(0, 0)], false),
+            ([run(0, 2)], false),
+        ] {
+            let lens = PagedLens {
+                block_tables: 6,
+                max_blocks: 3,
+                block_size: 2,
+                token_seq: 1,
+                token_pos: Ids::Device(1),
+                max_context: 5,
+                runs: &runs,
+            };
+            match paged_attention(8, 8, 24, 24, lens, shape) {
+                Ok(()) => assert!(ok),
+                Err(e) => assert!(!ok && e.to_string().contains("`runs[0]` (tokens"), "{e}"),
+            }
+        }
     }
 
     #[test]

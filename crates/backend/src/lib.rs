@@ -129,6 +129,21 @@ pub struct PagedLayout<'a, B: Backend + ?Sized> {
     pub token_pos: &'a B::Buf,
     /// The largest `token_pos + 1` in this call (sizes the work, never read past).
     pub max_context: usize,
+    /// Runs of query tokens that are one sequence's consecutive positions (prefill
+    /// chunks), in token order; tokens outside every run are attended to one by one. A
+    /// backend may attend for a long run as a block (the CUDA backend on the tensor
+    /// cores); each token sees the same keys either way.
+    pub runs: &'a [QueryRun],
+}
+
+/// Query tokens `first..first + len` of a paged-attention call: one sequence's
+/// positions `token_pos[first]..token_pos[first] + len` (see [`PagedLayout::runs`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct QueryRun {
+    /// First token of the run.
+    pub first: u32,
+    /// Tokens in the run.
+    pub len: u32,
 }
 
 /// Shape and options of the fused lm-head log-prob/entropy op.

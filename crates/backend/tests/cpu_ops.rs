@@ -3,7 +3,7 @@
 
 use floe_backend::cpu::CpuBackend;
 use floe_backend::{
-    AdamW, AttnShape, Backend, BufKind, Error, LmHead, Matmul, PagedLayout, Segment,
+    AdamW, AttnShape, Backend, BufKind, Error, LmHead, Matmul, PagedLayout, QueryRun, Segment,
 };
 use rand_xoshiro::rand_core::{RngCore, SeedableRng};
 use rand_xoshiro::SplitMix64;
@@ -523,6 +523,7 @@ fn paged_attention_equals_packed_attention() {
         token_seq: &ts,
         token_pos: &tp,
         max_context: 7,
+        runs: &[QueryRun { first: 0, len: 7 }, QueryRun { first: 7, len: 6 }],
     };
     let shape = AttnShape {
         tokens: total,
@@ -534,6 +535,26 @@ fn paged_attention_equals_packed_attention() {
     let mut paged = b.zeros(total * hq * d, BufKind::Compute).unwrap();
     b.paged_attention(&mut paged, &up(&b, &q), &k_cache, &v_cache, &layout, shape)
         .unwrap();
+    // A run must be one sequence's consecutive positions: 0..8 crosses into the second.
+    let crossing = PagedLayout::<B> {
+        runs: &[QueryRun { first: 0, len: 8 }],
+        ..layout
+    };
+    let err = b
+        .paged_attention(
+            &mut paged,
+            &up(&b, &q),
+            &k_cache,
+            &v_cache,
+            &crossing,
+            shape,
+        )
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("runs[0]") && err.contains("consecutive"),
+        "{err}"
+    );
 
     let segments = [
         Segment {

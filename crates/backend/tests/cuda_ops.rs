@@ -15,7 +15,7 @@ use floe_backend::cpu::CpuBackend;
 use floe_backend::cuda::CudaBackend;
 use floe_backend::sampling::GAMMA;
 use floe_backend::{
-    AdamW, AttnShape, Backend, BufKind, LmHead, Matmul, PagedLayout, SamplingRow, Segment,
+    AdamW, AttnShape, Backend, BufKind, LmHead, Matmul, PagedLayout, QueryRun, SamplingRow, Segment,
 };
 
 fn gpu() -> Option<CudaBackend> {
@@ -663,6 +663,9 @@ struct Paged {
     tables: Vec<u32>,
     seq: Vec<u32>,
     pos: Vec<u32>,
+    /// Prefill chunks among the queries (the CUDA backend takes the long ones on the
+    /// tensor cores; the CPU ignores them).
+    runs: Vec<QueryRun>,
     max_blocks: usize,
     block_size: usize,
     shape: AttnShape,
@@ -701,6 +704,7 @@ fn paged_case<B: Backend>(b: &B, x: &Paged) -> Vec<Vec<f32>> {
         token_seq: &ts,
         token_pos: &tp,
         max_context: *x.pos.iter().max().unwrap() as usize + 1,
+        runs: &x.runs,
     };
     let mut out = b.upload(&nan(x.q.len()), BufKind::Compute).unwrap();
     b.paged_attention(&mut out, &qb, &kc, &vc, &layout, shape)
@@ -754,10 +758,24 @@ fn kv_cache_and_paged_attention() {
             }
         }
         let t_kv = slots.len();
-        // One query per sequence at its last position (decoding) plus a few mid-sequence
-        // (chunked prefill).
+        // One query per sequence at its last position (decoding) plus a few mid-sequence,
+        // then a prefill chunk of each sequence from a third of its length: up to 130
+        // tokens, a run the CUDA backend takes on the tensor cores when it has 16 or more
+        // (tiles of 64 and a partial one), with the warp kernel's tokens listed.
         for (s, &len) in lens.iter().enumerate() {
             for p in [len - 1, len / 2, 0] {
+                seq.push(s as u32);
+                pos.push(p);
+            }
+        }
+        let mut runs = Vec::new();
+        for (s, &len) in lens.iter().enumerate() {
+            let (lo, hi) = (len / 3, (len / 3 + 130).min(len));
+            runs.push(QueryRun {
+                first: seq.len() as u32,
+                len: hi - lo,
+            });
+            for p in lo..hi {
                 seq.push(s as u32);
                 pos.push(p);
             }
@@ -781,6 +799,7 @@ fn kv_cache_and_paged_attention() {
             tables,
             seq,
             pos,
+            runs,
             max_blocks,
             block_size,
             shape,
@@ -1335,6 +1354,7 @@ fn timing_table() {
             token_seq: &ts,
             token_pos: &tp,
             max_context: ctx,
+            runs: &[],
         };
         let dshape = AttnShape {
             tokens: seqs,
@@ -1351,6 +1371,56 @@ fn timing_table() {
             s * 1e3,
             bytes / s / 1e9
         );
+    }
+    // Paged prefill: whole prompts attending causally to themselves through the cache, as
+    // one run each (tensor cores) and as single tokens (the warp kernel).
+    for (seqs, ctx) in [(8usize, 2048usize), (1, 16384)] {
+        let bs = 16;
+        let mb = ctx / bs;
+        let kc = rand(&mut rng, seqs * ctx * hk * d, BufKind::Compute);
+        let vc = rand(&mut rng, seqs * ctx * hk * d, BufKind::Compute);
+        let tables = g
+            .upload_index(&(0..(seqs * mb) as u32).collect::<Vec<_>>())
+            .unwrap();
+        let t = seqs * ctx;
+        let ts = g
+            .upload_index(&(0..t).map(|i| (i / ctx) as u32).collect::<Vec<_>>())
+            .unwrap();
+        let tp = g
+            .upload_index(&(0..t).map(|i| (i % ctx) as u32).collect::<Vec<_>>())
+            .unwrap();
+        let qp = rand(&mut rng, t * hq * d, BufKind::Compute);
+        let mut op = g.zeros(t * hq * d, BufKind::Compute).unwrap();
+        let runs: Vec<QueryRun> = (0..seqs)
+            .map(|s| QueryRun {
+                first: (s * ctx) as u32,
+                len: ctx as u32,
+            })
+            .collect();
+        let pshape = AttnShape { tokens: t, ..shape };
+        // Causal attention FLOPs: QK and PV over half the square, every head.
+        let flops = 4.0 * (seqs * ctx * ctx / 2 * hq * d) as f64;
+        for (what, runs) in [("runs", runs.as_slice()), ("tokens", &[])] {
+            let layout = PagedLayout {
+                block_tables: &tables,
+                max_blocks: mb,
+                block_size: bs,
+                token_seq: &ts,
+                token_pos: &tp,
+                max_context: ctx,
+                runs,
+            };
+            let s = time(&g, 5, || {
+                g.paged_attention(&mut op, &qp, &kc, &vc, &layout, pshape)
+                    .unwrap()
+            });
+            println!(
+                "{:<44} {:>10.3} {:>8.1} TFLOP/s",
+                format!("paged prefill {seqs} x {ctx} as {what}"),
+                s * 1e3,
+                flops / s / 1e12
+            );
+        }
     }
 }
 

@@ -7,7 +7,7 @@
 //! of the block tables (see [`floe_backend::PagedLayout`]); the engine's block manager
 //! decides which blocks a sequence owns and which it shares.
 
-use floe_backend::{Backend, BufKind, Matmul, PagedLayout};
+use floe_backend::{Backend, BufKind, Matmul, PagedLayout, QueryRun};
 
 use crate::transformer::{Attend, LayerActs, ModelError, Result, Transformer};
 
@@ -60,6 +60,28 @@ pub struct CachedInput {
 }
 
 impl CachedInput {
+    /// The runs of two or more tokens that continue one sequence position by position
+    /// (prefill chunks), for [`PagedLayout::runs`].
+    fn query_runs(&self) -> Vec<QueryRun> {
+        let mut runs = Vec::new();
+        let mut first = 0;
+        for t in 1..=self.tokens.len() {
+            let continues = t < self.tokens.len()
+                && self.token_seq[t] == self.token_seq[t - 1]
+                && self.token_pos[t] == self.token_pos[t - 1] + 1;
+            if !continues {
+                if t - first >= 2 {
+                    runs.push(QueryRun {
+                        first: first as u32,
+                        len: (t - first) as u32,
+                    });
+                }
+                first = t;
+            }
+        }
+        runs
+    }
+
     /// Checks lengths, ids and that every slot agrees with the block tables.
     fn validate(&self, vocab: usize, cache_blocks: usize, block_size: usize) -> Result<()> {
         let bad = |msg: String| Err(ModelError::Input(format!("cached input: {msg}")));
@@ -184,6 +206,7 @@ impl<B: Backend> Transformer<B> {
         let slots = b.upload_index(&input.slots)?;
         let block_tables = b.upload_index(&input.block_tables)?;
         let max_context = input.token_pos.iter().max().map_or(0, |&p| p as usize + 1);
+        let runs = input.query_runs();
 
         let mut scratch = match cache.scratch.take() {
             Some(s) if s.tokens == t => s,
@@ -213,6 +236,7 @@ impl<B: Backend> Transformer<B> {
                     token_seq: &token_seq,
                     token_pos: &token_pos,
                     max_context,
+                    runs: &runs,
                 },
                 k_cache,
                 v_cache,
@@ -249,5 +273,26 @@ impl<B: Backend> Transformer<B> {
         b.matmul(&mut logits, &normed, w.lm_head(), dims, false)?;
         self.adapt_logits(&mut logits, &normed, r)?;
         Ok(logits)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn query_runs_are_the_chunks_that_continue_one_sequence() {
+        // Two decodes, a 3-token chunk of sequence 2 from position 5, a decode of
+        // sequence 2 far ahead (not a continuation), then a 2-token chunk of sequence 0.
+        let input = CachedInput {
+            tokens: vec![1; 8],
+            token_seq: vec![0, 1, 2, 2, 2, 2, 0, 0],
+            token_pos: vec![9, 4, 5, 6, 7, 20, 0, 1],
+            ..CachedInput::default()
+        };
+        assert_eq!(
+            input.query_runs(),
+            vec![QueryRun { first: 2, len: 3 }, QueryRun { first: 6, len: 2 }]
+        );
     }
 }

@@ -849,6 +849,7 @@ impl<T: CpuFloat> Backend for CpuBackend<T> {
             token_seq: token_seq.len(),
             token_pos: Ids::Host(token_pos),
             max_context: layout.max_context,
+            runs: layout.runs,
         };
         contract::paged_attention(
             out.len(),

@@ -1,7 +1,7 @@
 //! Host-side work lists of the packed-segment attention kernels (see
 //! `kernels/attention.cu` for how each list is read).
 
-use crate::Segment;
+use crate::{QueryRun, Segment};
 
 /// Query rows per forward / dQ block (`Q_TILE` in `attention.cu`).
 pub(crate) const QUERY_TILE: u32 = 64;
@@ -163,6 +163,49 @@ pub(crate) fn paged_splits(
     (max_context.div_ceil(split_len).max(1), split_len)
 }
 
+/// Shortest run of query tokens paged attention takes on the tensor cores: shorter runs
+/// would leave most of a 64-row tile's rows empty.
+const PREFILL_MIN_RUN: u32 = 16;
+
+/// How a paged-attention call divides its tokens between the two kernels.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) struct PagedWork {
+    /// `[n_tile * 2]`: first and end token of each tile (at most [`QUERY_TILE`] tokens)
+    /// of the runs of at least [`PREFILL_MIN_RUN`] tokens, for `paged_prefill_attention`.
+    pub prefill_tiles: Vec<u32>,
+    /// The other tokens, for `paged_attention`; `None` when that is every token.
+    pub decode_tokens: Option<Vec<u32>>,
+}
+
+/// The division of a call's `tokens` given its `runs` (checked by the contract).
+pub(crate) fn paged_work(runs: &[QueryRun], tokens: usize) -> PagedWork {
+    let mut prefill_tiles = Vec::new();
+    let mut decode_tokens = Vec::new();
+    let mut next = 0u32;
+    for run in runs.iter().filter(|r| r.len >= PREFILL_MIN_RUN) {
+        decode_tokens.extend(next..run.first);
+        let end = run.first + run.len;
+        let mut lo = run.first;
+        while lo < end {
+            let hi = (lo + QUERY_TILE).min(end);
+            prefill_tiles.extend([lo, hi]);
+            lo = hi;
+        }
+        next = end;
+    }
+    if prefill_tiles.is_empty() {
+        return PagedWork {
+            prefill_tiles,
+            decode_tokens: None,
+        };
+    }
+    decode_tokens.extend(next..tokens as u32);
+    PagedWork {
+        prefill_tiles,
+        decode_tokens: Some(decode_tokens),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -187,5 +230,30 @@ mod tests {
                 "{tokens} {ctx}"
             );
         }
+    }
+
+    #[test]
+    fn long_runs_go_to_the_prefill_kernel_in_tiles_the_rest_to_the_warp_kernel() {
+        let run = |first, len| QueryRun { first, len };
+        // No run long enough: every token with the warp kernel, no list.
+        assert_eq!(
+            paged_work(&[run(2, 5)], 10),
+            PagedWork {
+                prefill_tiles: vec![],
+                decode_tokens: None
+            }
+        );
+        // Decodes 0..3, a 100-token run (two tiles), a short run left to the warp kernel,
+        // and a trailing decode.
+        let work = paged_work(&[run(3, 100), run(103, 4)], 108);
+        assert_eq!(work.prefill_tiles, vec![3, 67, 67, 103]);
+        assert_eq!(
+            work.decode_tokens,
+            Some(vec![0, 1, 2, 103, 104, 105, 106, 107])
+        );
+        // All prefill: an empty list, so the warp kernel does not run.
+        let work = paged_work(&[run(0, 16)], 16);
+        assert_eq!(work.prefill_tiles, vec![0, 16]);
+        assert_eq!(work.decode_tokens, Some(vec![]));
     }
 }

@@ -183,6 +183,10 @@ pub struct CudaBackend {
     spans: Mutex<Vec<Span>>,
     /// Page-locked buffers of [`crate::Backend::adamw_host`], made on its first call.
     pub(crate) host_staging: Mutex<Option<HostStaging>>,
+    /// Split partials of paged attention (f32), grown to the largest call so far: a
+    /// decode step calls it once per layer, and a fresh buffer each time costs two
+    /// allocations and a free-memory query per layer.
+    pub(crate) paged_partials: Mutex<Option<CudaBuf>>,
 }
 
 /// Elements of one chunk that [`crate::Backend::adamw_host`] streams through the host.
@@ -316,6 +320,7 @@ impl CudaBackend {
             profiling: AtomicBool::new(false),
             spans: Mutex::new(Vec::new()),
             host_staging: Mutex::new(None),
+            paged_partials: Mutex::new(None),
         })
     }
 

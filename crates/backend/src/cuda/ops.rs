@@ -70,6 +70,9 @@ fn attention_kernel(name: &'static str, head_dim: usize) -> &'static str {
         ("attention_backward_dkdv", 32) => "attention_backward_dkdv_d32",
         ("attention_backward_dkdv", 64) => "attention_backward_dkdv_d64",
         ("attention_backward_dkdv", _) => "attention_backward_dkdv_d128",
+        ("paged_prefill_attention", 32) => "paged_prefill_attention_d32",
+        ("paged_prefill_attention", 64) => "paged_prefill_attention_d64",
+        ("paged_prefill_attention", _) => "paged_prefill_attention_d128",
         (_, 32) => "paged_attention_d32",
         (_, 64) => "paged_attention_d64",
         _ => "paged_attention_d128",
@@ -991,6 +994,7 @@ impl Backend for CudaBackend {
             token_seq: layout.token_seq.len,
             token_pos: Ids::Device(layout.token_pos.len),
             max_context: layout.max_context,
+            runs: layout.runs,
         };
         contract::paged_attention(out.len, q.len, k_cache.len, v_cache.len, lens, shape)?;
         supported_head_dim(OP, shape.head_dim)?;
@@ -1001,59 +1005,99 @@ impl Backend for CudaBackend {
             head_dim,
             scale,
         } = shape;
-        let group = q_heads / kv_heads;
-        let warps_per_token = kv_heads * group.div_ceil(attention::PAGED_MAX_GROUP);
-        let (splits, split_len) = attention::paged_splits(
-            tokens,
-            warps_per_token,
-            layout.max_context,
-            self.sm_count as usize,
-        );
-        // Splits write unnormalised partials that the combine pass merges.
-        let partials = if splits > 1 {
-            let rows = tokens * q_heads * splits;
-            Some((
-                self.alloc(rows * head_dim, BufKind::Full)?,
-                self.alloc(rows * 2, BufKind::Full)?,
-            ))
-        } else {
-            None
-        };
-        let (acc, ml) = match &partials {
-            Some((acc, ml)) => (self.p(acc), self.p(ml)),
-            None => (Arg::Ptr(0), Arg::Ptr(0)),
-        };
-        self.launch(
-            Module::Attention,
-            attention_kernel("paged_attention", head_dim),
-            cfg(
-                (
-                    tokens as u32,
-                    warps_per_token.div_ceil(attention::PAGED_WARPS) as u32,
-                    splits as u32,
-                ),
-                32 * attention::PAGED_WARPS as u32,
-            ),
-            &[
+        let work = attention::paged_work(layout.runs, tokens);
+        let int_args = [
+            int(OP, "max_blocks", layout.max_blocks)?,
+            int(OP, "block_size", layout.block_size)?,
+            int(OP, "q_heads", q_heads)?,
+            int(OP, "kv_heads", kv_heads)?,
+        ];
+        if !work.prefill_tiles.is_empty() {
+            let items = self.upload_index_to(&work.prefill_tiles)?;
+            let mut args = vec![
                 self.p(out),
-                acc,
-                ml,
                 self.p(q),
                 self.p(k_cache),
                 self.p(v_cache),
                 self.p(layout.block_tables),
                 self.p(layout.token_seq),
                 self.p(layout.token_pos),
-                int(OP, "max_blocks", layout.max_blocks)?,
-                int(OP, "block_size", layout.block_size)?,
-                int(OP, "q_heads", q_heads)?,
-                int(OP, "kv_heads", kv_heads)?,
-                int(OP, "split_len", split_len)?,
-                Arg::F32(scale),
-            ],
+                self.p(&items),
+            ];
+            args.extend(int_args);
+            args.push(Arg::F32(scale));
+            self.launch(
+                Module::Attention,
+                attention_kernel("paged_prefill_attention", head_dim),
+                LaunchConfig {
+                    grid_dim: ((work.prefill_tiles.len() / 2) as u32, q_heads as u32, 1),
+                    block_dim: (THREADS, 1, 1),
+                    shared_mem_bytes: forward_shared_bytes(head_dim),
+                },
+                &args,
+            )?;
+        }
+        // The warp kernel takes the other tokens: all of them (no list), or those listed.
+        let (decode_tokens, token_list) = match &work.decode_tokens {
+            None => (tokens, None),
+            Some(list) if list.is_empty() => return Ok(()),
+            Some(list) => (list.len(), Some(self.upload_index_to(list)?)),
+        };
+        let token_list_arg = token_list.as_ref().map_or(Arg::Ptr(0), |l| self.p(l));
+        let group = q_heads / kv_heads;
+        let warps_per_token = kv_heads * group.div_ceil(attention::PAGED_MAX_GROUP);
+        let (splits, split_len) = attention::paged_splits(
+            decode_tokens,
+            warps_per_token,
+            layout.max_context,
+            self.sm_count as usize,
+        );
+        // Splits write unnormalised partials that the combine pass merges: per row of the
+        // listed tokens, `head_dim` accumulators, then (max, sum) pairs after all rows'
+        // accumulators.
+        let rows = decode_tokens * q_heads;
+        let mut partials = self.paged_partials.lock().expect("poisoned");
+        let (acc, ml) = if splits > 1 {
+            let need = rows * splits * (head_dim + 2);
+            if partials.as_ref().is_none_or(|b| b.len < need) {
+                // Freed in stream order, after the kernels that still read it.
+                *partials = None;
+                *partials = Some(self.alloc(need, BufKind::Full)?);
+            }
+            let base = self.ptr(partials.as_ref().expect("allocated above"));
+            let ml_offset = (rows * splits * head_dim * std::mem::size_of::<f32>()) as u64;
+            (Arg::Ptr(base), Arg::Ptr(base + ml_offset))
+        } else {
+            (Arg::Ptr(0), Arg::Ptr(0))
+        };
+        let mut args = vec![
+            self.p(out),
+            acc,
+            ml,
+            self.p(q),
+            self.p(k_cache),
+            self.p(v_cache),
+            self.p(layout.block_tables),
+            self.p(layout.token_seq),
+            self.p(layout.token_pos),
+            token_list_arg,
+        ];
+        args.extend(int_args);
+        args.extend([int(OP, "split_len", split_len)?, Arg::F32(scale)]);
+        self.launch(
+            Module::Attention,
+            attention_kernel("paged_attention", head_dim),
+            cfg(
+                (
+                    decode_tokens as u32,
+                    warps_per_token.div_ceil(attention::PAGED_WARPS) as u32,
+                    splits as u32,
+                ),
+                32 * attention::PAGED_WARPS as u32,
+            ),
+            &args,
         )?;
-        if let Some((acc, ml)) = &partials {
-            let rows = tokens * q_heads;
+        if splits > 1 {
             let warps = 4;
             self.launch(
                 Module::Attention,
@@ -1061,10 +1105,11 @@ impl Backend for CudaBackend {
                 cfg((rows.div_ceil(warps) as u32, 1, 1), 32 * warps as u32),
                 &[
                     self.p(out),
-                    self.p(acc),
-                    self.p(ml),
+                    acc,
+                    ml,
                     self.p(layout.token_pos),
-                    int(OP, "tokens", tokens)?,
+                    token_list_arg,
+                    int(OP, "tokens", decode_tokens)?,
                     int(OP, "q_heads", q_heads)?,
                     int(OP, "splits", splits)?,
                     int(OP, "split_len", split_len)?,

@@ -198,26 +198,65 @@ __device__ __forceinline__ void load_a_smem(u32 (*a)[4], const bf16_t* tile, int
         ldsm4(a[ks], tile + ((mat & 1) * 8 + mrow) * (D + PAD) + ks * 16 + (mat >> 1) * 8);
 }
 
+// The keys a forward query tile walks, packed: its segment's prefix, then its own keys
+// (see `KeyTiles`), rows of [T, kv_heads, D] tensors. A query's position is its row.
 template <int D>
-__device__ void attention_forward_impl(bf16_t* out, float* lse, const bf16_t* q, const bf16_t* k,
-                                       const bf16_t* v, const u32* segs, const u32* items, int q_heads,
-                                       int kv_heads, float scale) {
+struct PackedKeys {
+    KeyTiles kt;
+    const bf16_t *k, *v;
+    int kv_heads, kvh;
+    __device__ int count() const { return kt.count(); }
+    __device__ bool causal(int i) const { return kt.causal(i); }
+    __device__ u32 lo(int i) const { return kt.lo(i); }
+    __device__ u32 hi(int i) const { return kt.hi(i); }
+    // Tile i's keys into `stage`, its values K_TILE rows after.
+    __device__ void load(bf16_t* stage, int i) const {
+        load_tile_async<D>(stage, k, lo(i), hi(i), kv_heads, kvh, K_TILE);
+        load_tile_async<D>(stage + K_TILE * (D + PAD), v, lo(i), hi(i), kv_heads, kvh, K_TILE);
+    }
+};
+
+// The keys a prefill query tile walks in the paged cache: positions [0, end) of one
+// sequence, through its block table, all causal (the query at position p sees 0..=p).
+template <int D>
+struct PagedKeys {
+    const bf16_t *k_cache, *v_cache;
+    const u32* table;
+    int block_size, kv_heads, kvh;
+    u32 end;
+    __device__ int count() const { return (int)((end + K_TILE - 1) / K_TILE); }
+    __device__ bool causal(int) const { return true; }
+    __device__ u32 lo(int i) const { return (u32)i * K_TILE; }
+    __device__ u32 hi(int i) const { return min(lo(i) + K_TILE, end); }
+    __device__ void load(bf16_t* stage, int i) const {
+        constexpr int CHUNKS = D / 8;
+        u32 t_lo = lo(i), t_hi = hi(i);
+        for (int e = threadIdx.x; e < K_TILE * CHUNKS; e += blockDim.x) {
+            int r = e / CHUNKS, c = (e % CHUNKS) * 8;
+            u32 pos = t_lo + r;
+            bool ok = pos < t_hi;
+            i64 slot = ok ? (i64)table[pos / block_size] * block_size + pos % block_size : 0;
+            i64 at = (slot * kv_heads + kvh) * D + c;
+            cp_async16(stage + r * (D + PAD) + c, k_cache + at, ok);
+            cp_async16(stage + (K_TILE + r) * (D + PAD) + c, v_cache + at, ok);
+        }
+    }
+};
+
+// Forward of query rows [q_lo, q_hi) (at most Q_TILE) of head h against `keys`: a query
+// row's position is `row + qoff` (u32, wrapping), the number causal masks compare with key
+// positions. Writes `out` and, when `lse` is set, the rows' log-sum-exps.
+template <int D, class Keys>
+__device__ void attention_forward_tile(bf16_t* out, float* lse, const bf16_t* q, const Keys& keys, u32 q_lo,
+                                       u32 q_hi, u32 qoff, int h, int q_heads, float scale) {
     constexpr int NT = K_TILE / 8, DT = D / 8, STAGE = K_TILE * (D + PAD);
     // Two stages of K and V tiles: [stage][K | V][K_TILE][D + PAD].
     extern __shared__ __align__(16) unsigned char smem[];
     bf16_t* tiles = (bf16_t*)smem;
-    const u32* item = items + 3 * blockIdx.x;
-    const u32* seg = segs + 4 * item[0];
-    u32 q_lo = item[1], q_hi = item[2];
-    int h = blockIdx.y, kvh = h / (q_heads / kv_heads);
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     u32 row0 = q_lo + warp * 16 + g, row1 = row0 + 8;
-    KeyTiles kt(seg, q_hi);
-    int n_tiles = kt.count();
-    if (n_tiles > 0) {
-        load_tile_async<D>(tiles, k, kt.lo(0), kt.hi(0), kv_heads, kvh, K_TILE);
-        load_tile_async<D>(tiles + STAGE, v, kt.lo(0), kt.hi(0), kv_heads, kvh, K_TILE);
-    }
+    int n_tiles = keys.count();
+    if (n_tiles > 0) keys.load(tiles, 0);
     cp_async_commit();
 
     u32 qa[D / 16][4];
@@ -230,24 +269,20 @@ __device__ void attention_forward_impl(bf16_t* out, float* lse, const bf16_t* q,
 
     for (int i = 0; i < n_tiles; ++i) {
         {
-            if (i + 1 < n_tiles) {
-                bf16_t* next = tiles + ((i + 1) & 1) * 2 * STAGE;
-                load_tile_async<D>(next, k, kt.lo(i + 1), kt.hi(i + 1), kv_heads, kvh, K_TILE);
-                load_tile_async<D>(next + STAGE, v, kt.lo(i + 1), kt.hi(i + 1), kv_heads, kvh, K_TILE);
-            }
+            if (i + 1 < n_tiles) keys.load(tiles + ((i + 1) & 1) * 2 * STAGE, i + 1);
             cp_async_commit();
             cp_async_wait(1);
             __syncthreads();
             const bf16_t* ks = tiles + (i & 1) * 2 * STAGE;
             const bf16_t* vs = ks + STAGE;
-            u32 t_lo = kt.lo(i), t_hi = kt.hi(i);
-            bool causal = kt.causal(i);
+            u32 t_lo = keys.lo(i), t_hi = keys.hi(i);
+            bool causal = keys.causal(i);
             float s[NT][4];
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
             mma_a_tileT<D, NT>(s, qa, ks, lane);
             float mx0 = NEG_INF, mx1 = NEG_INF;
-            if (sees_whole_tile(t_lo, t_hi, causal, q_lo + warp * 16, q_hi)) {
+            if (sees_whole_tile(t_lo, t_hi, causal, q_lo + warp * 16 + qoff, q_hi + qoff)) {
 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
@@ -264,7 +299,7 @@ __device__ void attention_forward_impl(bf16_t* out, float* lse, const bf16_t* q,
                     for (int c = 0; c < 4; ++c) {
                         u32 key = t_lo + nt * 8 + t * 2 + (c & 1);
                         u32 row = c < 2 ? row0 : row1;
-                        bool ok = key < t_hi && row < q_hi && (!causal || key <= row);
+                        bool ok = key < t_hi && row < q_hi && (!causal || key <= row + qoff);
                         float val = ok ? s[nt][c] * sl : NEG_INF;
                         s[nt][c] = val;
                         if (c < 2) mx0 = fmaxf(mx0, val);
@@ -307,14 +342,45 @@ __device__ void attention_forward_impl(bf16_t* out, float* lse, const bf16_t* q,
         u32* dst = (u32*)(out + ((i64)row0 * q_heads + h) * D);
 #pragma unroll
         for (int dt = 0; dt < DT; ++dt) dst[(dt * 8 + t * 2) / 2] = pack_bf16(o[dt][0] * i0, o[dt][1] * i0);
-        if (t == 0) lse[(i64)row0 * q_heads + h] = (m0 + log2f(l0)) * LN2;
+        if (lse && t == 0) lse[(i64)row0 * q_heads + h] = (m0 + log2f(l0)) * LN2;
     }
     if (row1 < q_hi) {
         u32* dst = (u32*)(out + ((i64)row1 * q_heads + h) * D);
 #pragma unroll
         for (int dt = 0; dt < DT; ++dt) dst[(dt * 8 + t * 2) / 2] = pack_bf16(o[dt][2] * i1, o[dt][3] * i1);
-        if (t == 0) lse[(i64)row1 * q_heads + h] = (m1 + log2f(l1)) * LN2;
+        if (lse && t == 0) lse[(i64)row1 * q_heads + h] = (m1 + log2f(l1)) * LN2;
     }
+}
+
+
+template <int D>
+__device__ void attention_forward_impl(bf16_t* out, float* lse, const bf16_t* q, const bf16_t* k,
+                                       const bf16_t* v, const u32* segs, const u32* items, int q_heads,
+                                       int kv_heads, float scale) {
+    const u32* item = items + 3 * blockIdx.x;
+    const u32* seg = segs + 4 * item[0];
+    u32 q_lo = item[1], q_hi = item[2];
+    int h = blockIdx.y, kvh = h / (q_heads / kv_heads);
+    PackedKeys<D> keys{KeyTiles(seg, q_hi), k, v, kv_heads, kvh};
+    attention_forward_tile<D>(out, lse, q, keys, q_lo, q_hi, 0u, h, q_heads, scale);
+}
+
+// Prefill over the paged cache on the tensor cores: a block takes up to Q_TILE query
+// tokens [q_lo, q_hi) (an item) that are one sequence's consecutive positions, already
+// written to the cache with their context, and walks that context in K_TILE tiles like
+// the packed forward. Decode tokens stay with `paged_attention`.
+template <int D>
+__device__ void paged_prefill_attention_impl(bf16_t* out, const bf16_t* q, const bf16_t* k_cache,
+                                             const bf16_t* v_cache, const u32* block_tables,
+                                             const u32* token_seq, const u32* token_pos, const u32* items,
+                                             int max_blocks, int block_size, int q_heads, int kv_heads,
+                                             float scale) {
+    u32 q_lo = items[2 * blockIdx.x], q_hi = items[2 * blockIdx.x + 1];
+    int h = blockIdx.y, kvh = h / (q_heads / kv_heads);
+    u32 p_lo = token_pos[q_lo];
+    PagedKeys<D> keys{k_cache, v_cache, block_tables + (i64)token_seq[q_lo] * max_blocks, block_size, kv_heads,
+                      kvh, p_lo + (q_hi - q_lo)};
+    attention_forward_tile<D>(out, nullptr, q, keys, q_lo, q_hi, p_lo - q_lo, h, q_heads, scale);
 }
 
 // delta[t, h] = sum_d dout[t, h, d] * out[t, h, d], one warp per (t, h).
@@ -577,14 +643,17 @@ __device__ void attention_backward_dkdv_impl(bf16_t* dk, bf16_t* dv, const bf16_
 // and (max, sum) to `part_acc` / `part_ml`, and `paged_attention_combine` merges the
 // splits of each query head. Split boundaries are multiples of `split_len` keys, so a
 // token's result depends on its context and `split_len` only.
+// With `token_list` set, block x takes token token_list[x]: the call's long prefill runs
+// went to `paged_prefill_attention`.
 #define PAGED_WARPS 4  // kv heads per block
 #define PAGED_GMAX 8   // most query heads per kv head (Qwen3-32B: 64 / 8)
 
 template <int D>
 __device__ void paged_attention_impl(bf16_t* out, float* part_acc, float* part_ml, const bf16_t* q,
                                      const bf16_t* k_cache, const bf16_t* v_cache, const u32* block_tables,
-                                     const u32* token_seq, const u32* token_pos, int max_blocks,
-                                     int block_size, int q_heads, int kv_heads, int split_len, float scale) {
+                                     const u32* token_seq, const u32* token_pos, const u32* token_list,
+                                     int max_blocks, int block_size, int q_heads, int kv_heads, int split_len,
+                                     float scale) {
     constexpr int DL = D / 32;  // dims per lane in P·V
     constexpr int DW = D / 8;   // 16-byte words per K row
     __shared__ __align__(16) float qs[PAGED_WARPS][PAGED_GMAX][D];
@@ -595,12 +664,14 @@ __device__ void paged_attention_impl(bf16_t* out, float* part_acc, float* part_m
     if (wi >= kv_heads * parts) return;  // whole warp; no block-wide barrier below
     int kvh = wi / parts, part = wi % parts;
     int G = min(PAGED_GMAX, group - part * PAGED_GMAX);  // query heads of this warp
-    int t = blockIdx.x, split = blockIdx.z, nsplit = gridDim.z;
+    // Token t of the call, or the listed one when the prefill kernel takes the others.
+    int t = token_list ? (int)token_list[blockIdx.x] : blockIdx.x, split = blockIdx.z, nsplit = gridDim.z;
     u32 seq = token_seq[t], pos = token_pos[t];
     u32 k_lo = (u32)split * split_len;
     if (k_lo > pos) return;
     u32 k_hi = min(pos + 1, k_lo + (u32)split_len);
-    i64 q_row = (i64)t * q_heads + (i64)kvh * group + part * PAGED_GMAX;  // the warp's first query head
+    i64 head0 = (i64)kvh * group + part * PAGED_GMAX;  // the warp's first query head
+    i64 q_row = (i64)t * q_heads + head0;
     for (int i = lane; i < G * D; i += 32) qs[warp][i / D][i % D] = bf2f(q[q_row * D + i]) * scale * LOG2E;
     __syncwarp();
     const u32* table = block_tables + (i64)seq * max_blocks;
@@ -704,7 +775,8 @@ __device__ void paged_attention_impl(bf16_t* out, float* part_acc, float* part_m
 #pragma unroll
             for (int e = 0; e < DL; ++e) out[row * D + lane * DL + e] = f2bf(acc[h][e] * inv_l);
         } else {
-            i64 part = row * nsplit + split;
+            // Partials are numbered by the block's token, listed or not.
+            i64 part = ((i64)blockIdx.x * q_heads + head0 + h) * nsplit + split;
 #pragma unroll
             for (int e = 0; e < DL; ++e) part_acc[part * D + lane * DL + e] = acc[h][e];
             if (lane == 0) {
@@ -720,12 +792,15 @@ __device__ void paged_attention_impl(bf16_t* out, float* part_acc, float* part_m
 // as the direct write above (exp2(0) = 1, 0 + x = x), so results do not depend on the
 // number of splits the host chose for other tokens.
 extern "C" __global__ void paged_attention_combine(bf16_t* out, const float* part_acc, const float* part_ml,
-                                                   const u32* token_pos, int tokens, int q_heads, int nsplit,
-                                                   int split_len, int head_dim) {
+                                                   const u32* token_pos, const u32* token_list, int tokens,
+                                                   int q_heads, int nsplit, int split_len, int head_dim) {
     int lane = threadIdx.x & 31;
+    // `row` numbers the partials (the kernel's tokens, listed or not); `out_row` the output.
     i64 row = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (row >= (i64)tokens * q_heads) return;
-    int t = (int)(row / q_heads);
+    int li = (int)(row / q_heads);
+    int t = token_list ? (int)token_list[li] : li;
+    i64 out_row = (i64)t * q_heads + row % q_heads;
     int n = (int)(token_pos[t] / (u32)split_len) + 1;  // splits that hold keys
     const float* ml = part_ml + row * nsplit * 2;
     float mx = NEG_INF;
@@ -737,7 +812,7 @@ extern "C" __global__ void paged_attention_combine(bf16_t* out, const float* par
     for (int d = lane; d < head_dim; d += 32) {
         float o = 0.0f;
         for (int s = 0; s < n; ++s) o += acc[(i64)s * head_dim + d] * exp2f(ml[s * 2] - mx);
-        out[row * head_dim + d] = f2bf(o * inv_l);
+        out[out_row * head_dim + d] = f2bf(o * inv_l);
     }
 }
 
@@ -773,12 +848,21 @@ extern "C" __global__ void kv_cache_write(bf16_t* k_cache, bf16_t* v_cache, cons
         attention_backward_dkdv_impl<D>(dk, dv, dout, lse, delta, q, k, v, segs, key_tiles, tile_ranges,   \
                                         ranges, q_heads, kv_heads, scale);                                  \
     }                                                                                                       \
+    extern "C" __global__ void __launch_bounds__(128) paged_prefill_attention_d##D(                         \
+        bf16_t* out, const bf16_t* q, const bf16_t* k_cache, const bf16_t* v_cache, const u32* block_tables, \
+        const u32* token_seq, const u32* token_pos, const u32* items, int max_blocks, int block_size,       \
+        int q_heads, int kv_heads, float scale) {                                                           \
+        paged_prefill_attention_impl<D>(out, q, k_cache, v_cache, block_tables, token_seq, token_pos, items, \
+                                        max_blocks, block_size, q_heads, kv_heads, scale);                  \
+    }                                                                                                       \
     extern "C" __global__ void paged_attention_d##D(                                                        \
         bf16_t* out, float* part_acc, float* part_ml, const bf16_t* q, const bf16_t* k_cache,              \
         const bf16_t* v_cache, const u32* block_tables, const u32* token_seq, const u32* token_pos,         \
-        int max_blocks, int block_size, int q_heads, int kv_heads, int split_len, float scale) {           \
+        const u32* token_list, int max_blocks, int block_size, int q_heads, int kv_heads, int split_len,    \
+        float scale) {                                                                                      \
         paged_attention_impl<D>(out, part_acc, part_ml, q, k_cache, v_cache, block_tables, token_seq,      \
-                                token_pos, max_blocks, block_size, q_heads, kv_heads, split_len, scale);   \
+                                token_pos, token_list, max_blocks, block_size, q_heads, kv_heads, split_len, \
+                                scale);                                                                     \
     }
 
 ATTENTION_INSTANCES(32)
