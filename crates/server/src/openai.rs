@@ -153,6 +153,7 @@ pub fn router<S: Clone + Send + Sync + 'static>(app: AppRef) -> Router<S> {
         .route("/chat/completions", post(chat_completions))
         .route("/completions", post(completions))
         .route("/models", get(models))
+        .route("/tokenize", post(tokenize))
         .route_layer(middleware::from_fn_with_state(
             Arc::clone(&state),
             authenticate,
@@ -160,7 +161,7 @@ pub fn router<S: Clone + Send + Sync + 'static>(app: AppRef) -> Router<S> {
         .fallback(|| async {
             OpenAiError {
                 status: StatusCode::NOT_FOUND,
-                message: "no such route; this server offers /v1/chat/completions, /v1/completions and /v1/models".into(),
+                message: "no such route; this server offers /v1/chat/completions, /v1/completions, /v1/models and /v1/tokenize".into(),
                 param: None,
                 code: None,
             }
@@ -315,6 +316,9 @@ struct Common {
     /// vLLM's extension: token ids that end a sample (besides EOS).
     #[serde(default)]
     stop_token_ids: Vec<u32>,
+    /// vLLM's extension: keep the matched stop string at the end of the text.
+    #[serde(default)]
+    include_stop_str_in_output: bool,
     seed: Option<u64>,
     #[serde(default)]
     stream: bool,
@@ -428,7 +432,7 @@ fn sampling_params(
         max_new_tokens,
         stop_token_ids,
         stop_strings,
-        include_stop_str_in_output: false,
+        include_stop_str_in_output: common.include_stop_str_in_output,
         seed: common.seed,
         logprobs: true,
         ..SamplingParams::default()
@@ -703,16 +707,36 @@ fn parse_tool_calls(content: &str) -> Option<(Option<String>, Vec<Value>)> {
 
 /// The rendered, tokenized prompt of a chat request.
 fn chat_prompt(text: &Text, request: &ChatRequest) -> Result<Vec<u32>, OpenAiError> {
+    let rendered = render_chat(
+        text,
+        &request.common.model,
+        &request.messages,
+        request.tools.as_ref(),
+        request.chat_template_kwargs.as_ref(),
+        true,
+    )?;
+    text.tokenizer
+        .encode(&rendered, false)
+        .map_err(|e| OpenAiError::bad(format!("tokenizing the prompt: {e}"), "messages"))
+}
+
+/// `messages` (with `tools` and template variables) rendered through the chat template
+/// of `model`, ending with the assistant's generation prompt when `generation_prompt`.
+fn render_chat(
+    text: &Text,
+    model: &str,
+    messages: &Value,
+    tools: Option<&Value>,
+    chat_template_kwargs: Option<&Value>,
+    generation_prompt: bool,
+) -> Result<String, OpenAiError> {
     let Some(template) = &text.template else {
         return Err(OpenAiError::bad(
-            format!(
-                "the model {:?} has no chat template; use /v1/completions",
-                request.common.model
-            ),
+            format!("the model {model:?} has no chat template; use /v1/completions"),
             "model",
         ));
     };
-    let Value::Array(raw) = &request.messages else {
+    let Value::Array(raw) = messages else {
         return Err(OpenAiError::bad("messages must be an array", "messages"));
     };
     if raw.is_empty() {
@@ -769,22 +793,19 @@ fn chat_prompt(text: &Text, request: &ChatRequest) -> Result<Vec<u32>, OpenAiErr
         messages.push(Value::Object(fields));
     }
     let mut extra = serde_json::Map::new();
-    if let Some(tools) = &request.tools {
+    if let Some(tools) = tools {
         if !matches!(tools, Value::Array(_)) {
             return Err(OpenAiError::bad("tools must be an array", "tools"));
         }
         if !template.source().contains("tools") {
             return Err(OpenAiError::bad(
-                format!(
-                    "the chat template of {:?} does not render tools",
-                    request.common.model
-                ),
+                format!("the chat template of {model:?} does not render tools"),
                 "tools",
             ));
         }
         extra.insert("tools".into(), tools.clone());
     }
-    match &request.chat_template_kwargs {
+    match chat_template_kwargs {
         None | Some(Value::Null) => {}
         Some(Value::Object(kwargs)) => extra.extend(kwargs.clone()),
         Some(_) => {
@@ -794,12 +815,61 @@ fn chat_prompt(text: &Text, request: &ChatRequest) -> Result<Vec<u32>, OpenAiErr
             ))
         }
     }
-    let rendered = template
-        .render(&messages, true, &Value::Object(extra))
-        .map_err(|e| OpenAiError::bad(format!("rendering the chat template: {e}"), "messages"))?;
-    text.tokenizer
-        .encode(&rendered, false)
-        .map_err(|e| OpenAiError::bad(format!("tokenizing the prompt: {e}"), "messages"))
+    template
+        .render(&messages, generation_prompt, &Value::Object(extra))
+        .map_err(|e| OpenAiError::bad(format!("rendering the chat template: {e}"), "messages"))
+}
+
+/// `POST /v1/tokenize` (vLLM's route, under `/v1`): the token ids of a text `prompt`
+/// (`add_special_tokens`, default true) or of chat `messages` rendered through the
+/// template (`add_generation_prompt`, default true; the rendered text comes back as
+/// `prompt`), so an agent can splice a multi-turn episode's tokens itself.
+async fn tokenize(State(state): State<OpenAiRef>, body: Body) -> Result<Response, OpenAiError> {
+    #[derive(Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct TokenizeRequest {
+        model: String,
+        prompt: Option<String>,
+        messages: Option<Value>,
+        tools: Option<Value>,
+        chat_template_kwargs: Option<Value>,
+        add_special_tokens: Option<bool>,
+        add_generation_prompt: Option<bool>,
+    }
+    let request: TokenizeRequest = parse("tokenize", body)?;
+    let target = state.target(&request.model)?;
+    let text = state.text(&target.base_model)?;
+    let (rendered, special) = match (&request.prompt, &request.messages) {
+        (Some(prompt), None) => (prompt.clone(), request.add_special_tokens.unwrap_or(true)),
+        (None, Some(messages)) => (
+            render_chat(
+                &text,
+                &request.model,
+                messages,
+                request.tools.as_ref(),
+                request.chat_template_kwargs.as_ref(),
+                request.add_generation_prompt.unwrap_or(true),
+            )?,
+            request.add_special_tokens.unwrap_or(false),
+        ),
+        _ => {
+            return Err(OpenAiError::bad(
+                "give exactly one of prompt (a string) and messages",
+                "prompt",
+            ))
+        }
+    };
+    let tokens = text
+        .tokenizer
+        .encode(&rendered, special)
+        .map_err(|e| OpenAiError::bad(format!("tokenizing: {e}"), "prompt"))?;
+    Ok(Json(json!({
+        "count": tokens.len(),
+        "max_model_len": target.facts.max_context,
+        "tokens": tokens,
+        "prompt": rendered,
+    }))
+    .into_response())
 }
 
 /// `POST /v1/chat/completions`.
