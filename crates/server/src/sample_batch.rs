@@ -6,10 +6,9 @@
 //!
 //! A job is answered as soon as its own samples are done; a job that streams gets each
 //! running sample's tokens after every engine step (the whole batch then samples with
-//! progress reports). A job cancelled before the
-//! batch starts, or whose preparation fails (prompt log-probs), is answered alone; a
-//! request the engine refuses fails its job alone and the rest are resubmitted (the
-//! engine checks every request before it samples any).
+//! progress reports). A job cancelled before the batch starts, or whose preparation fails
+//! (prompt log-probs), is answered alone; a request the engine refuses fails its job alone
+//! and the rest are resubmitted (the engine checks every request before it samples any).
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, Ordering};
