@@ -27,6 +27,9 @@ enum Command {
     /// Build datasets: BIRD conversion and synthetic tasks.
     #[command(subcommand)]
     Data(cmd::data::Command),
+    /// Step one of floe's environments over JSON lines on stdin and stdout (for agents
+    /// outside floe).
+    Env(cmd::env::Args),
     /// Measure training and generation throughput.
     Bench(cmd::bench::Args),
     /// Print what a recipe's engine will hold on the GPU and in host memory, and whether
@@ -57,6 +60,7 @@ fn main() -> std::process::ExitCode {
         Command::Export(args) => cmd::export::run(args),
         Command::Reward(command) => cmd::reward::run(command),
         Command::Data(command) => cmd::data::run(command),
+        Command::Env(args) => cmd::env::run(args),
         Command::Bench(args) => cmd::bench::run(args),
         Command::Plan(args) => cmd::plan::run(args),
         Command::Serve(args) => cmd::serve::run(args),

@@ -4,7 +4,7 @@
 //! under a remote run. Each time `trainer.resume=latest` must end with the metrics.jsonl of
 //! an uninterrupted run, bit for bit (timings aside), and no checkpoint may be left
 //! half-written or unreadable; a server that lost the saved state must be named in the
-//! trainer's error.
+//! trainer's error; a server restarted under a live remote run is survived.
 
 mod support;
 
@@ -369,7 +369,11 @@ fn a_killed_server_fails_the_run_clearly_and_a_restart_resumes_it() {
     // SIGKILL the server in the middle of a random step after the first checkpoint.
     let k = 1 + random_below(STEPS - 1);
     let pause = step_time.mul_f64(random_below(100) as f64 / 100.0);
-    let mut child = remote_train(&run_dir, &server.url).spawn().unwrap();
+    // Not waiting for a server that does not come back.
+    let mut child = remote_train(&run_dir, &server.url)
+        .env(floe_engine::remote::RECONNECT_WAIT_ENV, "0")
+        .spawn()
+        .unwrap();
     let deadline = Instant::now() + RUN_TIMEOUT;
     while logged_steps(&run_dir) < k || latest_step(&run_dir).is_none() {
         assert!(
@@ -422,5 +426,50 @@ fn a_killed_server_fails_the_run_clearly_and_a_restart_resumes_it() {
     assert_same_run(
         &run_dir,
         "remote run resumed on a restarted server vs the uninterrupted local run",
+    );
+}
+
+/// `floe serve` killed and started again on its data folder right after a checkpoint,
+/// while the run goes on: the trainer waits for the server, gets its engine back from the
+/// checkpoint's saved state and ends with the uninterrupted run's metrics, without a
+/// resume. Should the restart land after the next step trained (the server's engine then
+/// held training no checkpoint has), the run stops naming the state to resume from, and
+/// the resume ends the same.
+#[test]
+fn a_server_restarted_under_a_live_run_gives_the_same_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let serve_dir = dir.path().join("serve");
+    let mut server = Server::start(&serve_dir, API_KEY);
+    let port = server.port();
+    let run_dir = dir.path().join("run");
+    let k = 1 + random_below(STEPS - 1);
+    let mut child = remote_train(&run_dir, &server.url).spawn().unwrap();
+    let deadline = Instant::now() + RUN_TIMEOUT;
+    while latest_step(&run_dir).is_none_or(|step| step < k) {
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "floe train ended early"
+        );
+        assert!(Instant::now() < deadline, "floe train made no progress");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    server.kill();
+    let restarted = Server::start_at(port, &serve_dir, Some(API_KEY), &[]);
+    let output = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    if output.status.success() {
+        eprintln!("floe serve restarted after checkpoint {k}: the run went on");
+    } else {
+        assert!(
+            stderr.contains("no longer has engine") && stderr.contains("trainer.resume=latest"),
+            "the run stopped without naming the state to resume from: {stderr}"
+        );
+        eprintln!("floe serve restarted after the step that followed checkpoint {k}: resuming");
+        run_ok(remote_train(&run_dir, &restarted.url), "the resumed run");
+    }
+    check_checkpoints(&run_dir);
+    assert_same_run(
+        &run_dir,
+        "remote run with floe serve restarted under it vs the uninterrupted local run",
     );
 }

@@ -109,8 +109,8 @@ pub use packing::{
     RolloutGroup, TokenRef,
 };
 pub use sampler::{
-    sample_seed, CachedInput, CachedModel, Detokenizer, Generation, SampleError, SampleRequest,
-    Sampler, SamplerConfig, SamplerStats, SamplingParams,
+    sample_seed, CachedInput, CachedModel, Detokenizer, Generation, SampleError, SampleEvent,
+    SampleProgress, SampleRequest, Sampler, SamplerConfig, SamplerStats, SamplingParams,
 };
 pub use stop::{Stop, StopConditions, StopReason};
 pub use verbs::{

@@ -44,7 +44,7 @@ use crate::packing::{
 use crate::policy::{
     is_lora_state, OptimParams, OptimizerPlacement, Policy, StepOutcome, ADAPTER_DIR, MODEL_DIR,
 };
-use crate::sampler::{Generation, SampleRequest, Sampler, SamplerConfig};
+use crate::sampler::{Generation, SampleError, SampleEvent, SampleRequest, Sampler, SamplerConfig};
 use crate::verbs::{
     Engine, EngineInfo, ForwardBackwardOutput, Loss, SequenceGroup, TokenOutputs, TrainGroup,
     Weights,
@@ -403,6 +403,30 @@ impl<B: Backend> LocalEngine<B> {
         &self.options
     }
 
+    /// Queues `requests` on the sampler and runs it with `run`; after a failure the
+    /// sampler is rebuilt, so what the failed call left queued never reaches the next.
+    fn run_sampler(
+        &mut self,
+        requests: Vec<SampleRequest>,
+        run: impl FnOnce(
+            &mut Sampler<Transformer<B>>,
+            &Transformer<B>,
+        ) -> std::result::Result<(), SampleError>,
+    ) -> Result<()> {
+        let model = self.policy.model();
+        let mut result = requests
+            .into_iter()
+            .try_for_each(|request| self.sampler.submit(request));
+        if result.is_ok() {
+            result = run(&mut self.sampler, model);
+        }
+        if let Err(err) = result {
+            self.sampler = new_sampler(model, &self.sampler_config, &self.tokenizer)?;
+            return Err(err.into());
+        }
+        Ok(())
+    }
+
     fn packing(&self) -> PackingConfig {
         PackingConfig {
             max_tokens_per_microbatch: self.options.max_tokens_per_microbatch,
@@ -631,19 +655,17 @@ impl<B: Backend> Engine for LocalEngine<B> {
         requests: Vec<SampleRequest>,
         on_generation: &mut dyn FnMut(Generation),
     ) -> Result<()> {
-        let model = self.policy.model();
-        let mut result = requests
-            .into_iter()
-            .try_for_each(|request| self.sampler.submit(request));
-        if result.is_ok() {
-            result = self.sampler.run(model, on_generation);
-        }
-        if let Err(err) = result {
-            // Drop whatever the failed call left queued, so the next call starts clean.
-            self.sampler = new_sampler(model, &self.sampler_config, &self.tokenizer)?;
-            return Err(err.into());
-        }
-        Ok(())
+        self.run_sampler(requests, |sampler, model| sampler.run(model, on_generation))
+    }
+
+    fn sample_streaming(
+        &mut self,
+        requests: Vec<SampleRequest>,
+        on_event: &mut dyn FnMut(SampleEvent<'_>),
+    ) -> Result<()> {
+        self.run_sampler(requests, |sampler, model| {
+            sampler.run_streaming(model, on_event)
+        })
     }
 
     fn forward(
@@ -956,6 +978,14 @@ impl Engine for AnyLocalEngine {
         on_generation: &mut dyn FnMut(Generation),
     ) -> Result<()> {
         dispatch!(self, e => e.sample(requests, on_generation))
+    }
+
+    fn sample_streaming(
+        &mut self,
+        requests: Vec<SampleRequest>,
+        on_event: &mut dyn FnMut(SampleEvent<'_>),
+    ) -> Result<()> {
+        dispatch!(self, e => e.sample_streaming(requests, on_event))
     }
 
     fn forward(

@@ -9,11 +9,24 @@
 //! `save_state` leaves the state on the server and writes only its id into the folder
 //! ([`REMOTE_STATE_FILE`]); `load_state` sends the id back, so resuming needs the same
 //! server (its data folder). `export_hf` downloads the exported files.
+//!
+//! # A server restarted under a live run
+//! A server that does not answer connections (restarting) is waited for, up to
+//! [`RECONNECT_WAIT_ENV`] seconds (60 by default). A server that answers but no longer
+//! has the engine (it restarted: engines live in memory, saved states on disk) gets it
+//! back as it was when nothing changed it since it was created or since its state was
+//! last saved or loaded: the engine is created again, that state loaded, and the request
+//! sent again, so the run goes on exactly. When a training verb changed it since, those
+//! changes are lost with the engine, and the verb fails with [`RemoteError::EngineLost`],
+//! which names the saved state to resume from. A read-only request cut off mid-way (the
+//! server died while it ran) is sent again the same way; a seeded sample's samples
+//! already delivered are not delivered twice.
 
 use std::collections::BTreeMap;
+use std::collections::HashSet;
 use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
@@ -39,6 +52,13 @@ pub const REMOTE_STATE_FILE: &str = "remote_state.json";
 
 /// How long connecting to the server may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Environment variable: how many seconds to wait for a server that refuses connections
+/// (e.g. while it restarts) before a request fails; 60 when unset.
+pub const RECONNECT_WAIT_ENV: &str = "FLOE_RECONNECT_WAIT_SECS";
+
+/// The first words of the server's 404 for an engine it does not hold.
+const UNKNOWN_ENGINE: &str = "unknown engine_id";
 
 /// What went wrong talking to the server.
 #[derive(Debug, thiserror::Error)]
@@ -85,6 +105,22 @@ pub enum RemoteError {
         /// The server's message.
         message: String,
     },
+    /// The server no longer holds the engine (it restarted), and a training verb had
+    /// changed the engine since it was created or last saved, so it cannot be rebuilt.
+    #[error(
+        "{server}: the server no longer has engine {engine_id} (it restarted?), and the \
+         training done since {since} went with it; {resume}"
+    )]
+    EngineLost {
+        /// The server.
+        server: String,
+        /// The lost engine's id.
+        engine_id: String,
+        /// Since when: the engine's creation or its last saved state.
+        since: String,
+        /// What to do.
+        resume: String,
+    },
     /// A local file could not be read or written.
     #[error("{path}: {source}")]
     Io {
@@ -104,14 +140,39 @@ struct RemoteState {
     state_id: String,
 }
 
+/// How to get the server's engine back as it is now, should the server lose it.
+#[derive(Clone, Debug, PartialEq)]
+enum Recovery {
+    /// Nothing changed it since it was created: create it again.
+    Create,
+    /// Nothing changed it since this saved state was saved or loaded: create it again and
+    /// load the state.
+    Load(String),
+    /// A training verb changed it since; the last state saved or loaded, if any.
+    Lost(Option<String>),
+}
+
 /// An engine on a `floe serve` server; see the module docs.
 pub struct RemoteEngine {
     agent: ureq::Agent,
     /// `http://host:port`, no trailing slash.
     server: String,
     api_key: Option<String>,
+    /// What the engine was created from, to create it again.
+    model: ModelSpec,
+    settings: EngineSettings,
     engine_id: String,
     info: EngineInfo,
+    recovery: Recovery,
+    /// How long to wait for a server that refuses connections.
+    reconnect_wait: Duration,
+}
+
+/// Whether a verb changes the engine's state (weights, optimizer, gradients, reference).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Effect {
+    ReadOnly,
+    Trains,
 }
 
 impl RemoteEngine {
@@ -129,24 +190,133 @@ impl RemoteEngine {
             .timeout_connect(Some(CONNECT_TIMEOUT))
             .build()
             .into();
+        let reconnect_wait = reconnect_wait()?;
         let mut this = Self {
             agent,
             server,
             api_key,
+            model,
+            settings,
             engine_id: String::new(),
             info: EngineInfo {
                 device: String::new(),
                 vocab_size: 0,
                 max_seq_len: 0,
             },
+            recovery: Recovery::Create,
+            reconnect_wait,
         };
-        let created: CreateEngineResponse = this.call_json(
-            &format!("{}{NATIVE_PREFIX}/engines", this.server),
-            &CreateEngineRequest { model, settings },
+        let tokenizer_files = this.create()?;
+        Ok((this, tokenizer_files))
+    }
+
+    /// Creates the engine on the server from its model and settings; returns the
+    /// tokenizer files.
+    fn create(&mut self) -> std::result::Result<BTreeMap<String, String>, RemoteError> {
+        let created: CreateEngineResponse = self.call_json(
+            &format!("{}{NATIVE_PREFIX}/engines", self.server),
+            &CreateEngineRequest {
+                model: self.model.clone(),
+                settings: self.settings.clone(),
+            },
         )?;
-        this.engine_id = created.engine_id;
-        this.info = created.info;
-        Ok((this, created.tokenizer_files))
+        self.engine_id = created.engine_id;
+        self.info = created.info;
+        Ok(created.tokenizer_files)
+    }
+
+    /// Gets back the engine the server lost, as it was (see [`Recovery`]).
+    fn recover(&mut self) -> std::result::Result<(), RemoteError> {
+        let lost = self.engine_id.clone();
+        match self.recovery.clone() {
+            Recovery::Create => {
+                self.create()?;
+            }
+            Recovery::Load(state_id) => {
+                self.create()?;
+                self.info =
+                    self.call_json(&self.verb_url("load_state"), &LoadStateBody { state_id })?;
+            }
+            Recovery::Lost(saved) => {
+                let (since, resume) = match saved {
+                    Some(state_id) => (
+                        format!("its state {state_id} was saved"),
+                        format!(
+                            "resume from the checkpoint whose engine/{REMOTE_STATE_FILE} names \
+                             {state_id} (a run's latest: `floe train ... trainer.resume=latest`) \
+                             on a server with the same data folder"
+                        ),
+                    ),
+                    None => (
+                        "it was created".to_string(),
+                        "no saved state holds it: start the run again".to_string(),
+                    ),
+                };
+                return Err(RemoteError::EngineLost {
+                    server: self.server.clone(),
+                    engine_id: lost,
+                    since,
+                    resume,
+                });
+            }
+        }
+        tracing::warn!(
+            "{}: the server had lost engine {lost} (it restarted?); created it again as {} \
+             from {:?}",
+            self.server,
+            self.engine_id,
+            self.recovery
+        );
+        Ok(())
+    }
+
+    /// Sends `verb` through `call` (which posts to the URL it is given). When the server
+    /// lost the engine, or cut off a read-only request, the engine is got back as it was
+    /// and the verb sent again (module docs). A verb that trains marks the engine as
+    /// changed since its last saved state.
+    fn send_verb<R>(
+        &mut self,
+        verb: &str,
+        effect: Effect,
+        mut call: impl FnMut(&Self, &str) -> std::result::Result<R, RemoteError>,
+    ) -> std::result::Result<R, RemoteError> {
+        // A cut-off request may take a few tries to find the server gone (its connection
+        // reset, then refused until it is back); the engine is got back once.
+        const RESENDS: usize = 4;
+        let before = self.recovery.clone();
+        let (mut resent, mut recovered) = (0, false);
+        loop {
+            if effect == Effect::Trains {
+                self.recovery = match &before {
+                    Recovery::Create => Recovery::Lost(None),
+                    Recovery::Load(id) => Recovery::Lost(Some(id.clone())),
+                    lost => lost.clone(),
+                };
+            }
+            let error = match call(self, &self.verb_url(verb)) {
+                Ok(answer) => return Ok(answer),
+                Err(error) => error,
+            };
+            match &error {
+                RemoteError::Status {
+                    status: 404,
+                    detail,
+                    ..
+                } if detail.starts_with(UNKNOWN_ENGINE) && !recovered => {
+                    // The verb never ran: the engine the server lost was as before it.
+                    self.recovery = before.clone();
+                    self.recover()?;
+                    recovered = true;
+                }
+                // It changed nothing: send it again (to a restarted server, a later try
+                // answers 404 for the engine).
+                RemoteError::Transport { .. } if effect == Effect::ReadOnly && resent < RESENDS => {
+                    tracing::warn!("{error}; sending it again");
+                    resent += 1;
+                }
+                _ => return Err(error),
+            }
+        }
     }
 
     /// The engine's id on the server.
@@ -161,7 +331,8 @@ impl RemoteEngine {
         )
     }
 
-    /// POSTs `body` as JSON and returns the raw answer after checking its status.
+    /// POSTs `body` as JSON and returns the raw answer after checking its status; a
+    /// server that refuses the connection is waited for (`reconnect_wait`).
     fn post(
         &self,
         url: &str,
@@ -171,15 +342,31 @@ impl RemoteEngine {
             url: url.to_string(),
             message: format!("the request does not serialise: {e}"),
         })?;
-        let mut request = self
-            .agent
-            .post(url)
-            .header("content-type", "application/json");
-        if let Some(key) = &self.api_key {
-            request = request.header("x-api-key", key);
+        let started = Instant::now();
+        let mut pause = Duration::from_millis(50);
+        loop {
+            let mut request = self
+                .agent
+                .post(url)
+                .header("content-type", "application/json");
+            if let Some(key) = &self.api_key {
+                request = request.header("x-api-key", key);
+            }
+            match request.send(&body[..]) {
+                Ok(response) => return checked(url, response),
+                Err(error) if refused(&error) && started.elapsed() < self.reconnect_wait => {
+                    if pause == Duration::from_millis(50) {
+                        tracing::warn!(
+                            "{url}: {error}; waiting up to {:?} for the server",
+                            self.reconnect_wait
+                        );
+                    }
+                    std::thread::sleep(pause);
+                    pause = (pause * 2).min(Duration::from_secs(1));
+                }
+                Err(error) => return Err(transport(url, error)),
+            }
         }
-        let response = request.send(&body[..]).map_err(|e| transport(url, e))?;
-        checked(url, response)
     }
 
     /// POSTs `body` and parses the JSON answer.
@@ -201,12 +388,14 @@ impl RemoteEngine {
         })
     }
 
+    /// Sends `verb` with `body` ([`RemoteEngine::send_verb`]) and parses the answer.
     fn verb<R: DeserializeOwned>(
-        &self,
+        &mut self,
         verb: &str,
+        effect: Effect,
         body: &impl Serialize,
     ) -> std::result::Result<R, RemoteError> {
-        self.call_json(&self.verb_url(verb), body)
+        self.send_verb(verb, effect, |this, url| this.call_json(url, body))
     }
 
     /// Streams `url`'s body into `path` (through a temporary file, renamed when whole).
@@ -253,6 +442,32 @@ fn check_url(url: &str) -> std::result::Result<String, RemoteError> {
         )),
         Some(rest) if !rest.is_empty() => Ok(trimmed.to_string()),
         _ => Err(bad("expected http://host:port")),
+    }
+}
+
+/// Whether the request never reached a server: nothing listens at its address (yet).
+fn refused(error: &ureq::Error) -> bool {
+    match error {
+        ureq::Error::Io(e) => e.kind() == std::io::ErrorKind::ConnectionRefused,
+        ureq::Error::ConnectionFailed => true,
+        _ => false,
+    }
+}
+
+/// How long to wait for a server that refuses connections ([`RECONNECT_WAIT_ENV`]).
+fn reconnect_wait() -> std::result::Result<Duration, RemoteError> {
+    match std::env::var(RECONNECT_WAIT_ENV) {
+        Err(_) => Ok(Duration::from_secs(60)),
+        Ok(text) => text
+            .trim()
+            .parse::<f64>()
+            .ok()
+            .filter(|secs| secs.is_finite() && *secs >= 0.0)
+            .map(Duration::from_secs_f64)
+            .ok_or_else(|| RemoteError::Url {
+                url: format!("{RECONNECT_WAIT_ENV}={text}"),
+                why: "expected a number of seconds, 0 or more".to_string(),
+            }),
     }
 }
 
@@ -317,30 +532,43 @@ impl Engine for RemoteEngine {
         requests: Vec<SampleRequest>,
         on_generation: &mut dyn FnMut(Generation),
     ) -> std::result::Result<(), RemoteError> {
-        let url = self.verb_url("sample");
-        let mut response = self.post(&url, &SampleBody { requests })?;
-        let lines = BufReader::new(response.body_mut().as_reader());
-        for line in lines.lines() {
-            let line = line.map_err(|e| transport(&url, e))?;
-            if line.is_empty() {
-                continue;
+        let body = SampleBody { requests };
+        // Samples delivered before a cut-off, not delivered again when it is sent again.
+        let mut delivered = HashSet::new();
+        self.send_verb("sample", Effect::ReadOnly, |this, url| {
+            let mut response = this.post(url, &body)?;
+            let lines = BufReader::new(response.body_mut().as_reader());
+            for line in lines.lines() {
+                let line = line.map_err(|e| transport(url, e))?;
+                if line.is_empty() {
+                    continue;
+                }
+                let event: SampleEvent =
+                    serde_json::from_str(&line).map_err(|e| RemoteError::Protocol {
+                        url: url.to_string(),
+                        message: format!("sample stream line {line:?}: {e}"),
+                    })?;
+                match event {
+                    SampleEvent::Generation(generation) => {
+                        if delivered.insert((generation.request_id, generation.sample_index)) {
+                            on_generation(generation);
+                        }
+                    }
+                    SampleEvent::Done {} => return Ok(()),
+                    SampleEvent::Error(message) => {
+                        return Err(RemoteError::Sample {
+                            url: url.to_string(),
+                            message,
+                        })
+                    }
+                }
             }
-            let event: SampleEvent =
-                serde_json::from_str(&line).map_err(|e| RemoteError::Protocol {
-                    url: url.clone(),
-                    message: format!("sample stream line {line:?}: {e}"),
-                })?;
-            match event {
-                SampleEvent::Generation(generation) => on_generation(generation),
-                SampleEvent::Done {} => return Ok(()),
-                SampleEvent::Error(message) => return Err(RemoteError::Sample { url, message }),
-            }
-        }
-        Err(RemoteError::Transport {
-            url,
-            message: "the sample stream ended before its `done` line (the server's engine \
-                      stopped or the connection dropped)"
-                .to_string(),
+            Err(RemoteError::Transport {
+                url: url.to_string(),
+                message: "the sample stream ended before its `done` line (the server's engine \
+                          stopped or the connection dropped)"
+                    .to_string(),
+            })
         })
     }
 
@@ -355,7 +583,7 @@ impl Engine for RemoteEngine {
             weights,
             temperature,
         };
-        let answer: ForwardResponse = self.verb("forward", &body)?;
+        let answer: ForwardResponse = self.verb("forward", Effect::ReadOnly, &body)?;
         Ok(answer.outputs)
     }
 
@@ -370,7 +598,8 @@ impl Engine for RemoteEngine {
             loss: loss.clone(),
             temperature,
         };
-        let answer: ForwardBackwardResponse = self.verb("forward_backward", &body)?;
+        let answer: ForwardBackwardResponse =
+            self.verb("forward_backward", Effect::Trains, &body)?;
         Ok(answer.into())
     }
 
@@ -378,27 +607,35 @@ impl Engine for RemoteEngine {
         &mut self,
         params: &OptimParams,
     ) -> std::result::Result<StepOutcome, RemoteError> {
-        let answer: OptimStepResponse = self.verb("optim_step", params)?;
+        let answer: OptimStepResponse = self.verb("optim_step", Effect::Trains, params)?;
         Ok(answer.into())
     }
 
     fn sync_sampler_weights(&mut self) -> std::result::Result<Duration, RemoteError> {
-        let answer: SyncResponse = self.verb("sync_sampler_weights", &serde_json::json!({}))?;
+        let answer: SyncResponse = self.verb(
+            "sync_sampler_weights",
+            Effect::ReadOnly,
+            &serde_json::json!({}),
+        )?;
         Ok(Duration::from_secs_f64(answer.seconds.max(0.0)))
     }
 
     fn freeze_reference(&mut self) -> std::result::Result<(), RemoteError> {
-        let _: serde_json::Value = self.verb("freeze_reference", &serde_json::json!({}))?;
+        let _: serde_json::Value =
+            self.verb("freeze_reference", Effect::Trains, &serde_json::json!({}))?;
         Ok(())
     }
 
     fn reset_optimizer(&mut self) -> std::result::Result<(), RemoteError> {
-        let _: serde_json::Value = self.verb("reset_optimizer", &serde_json::json!({}))?;
+        let _: serde_json::Value =
+            self.verb("reset_optimizer", Effect::Trains, &serde_json::json!({}))?;
         Ok(())
     }
 
     fn save_state(&mut self, dir: &Path) -> std::result::Result<(), RemoteError> {
-        let answer: SaveStateResponse = self.verb("save_state", &serde_json::json!({}))?;
+        let answer: SaveStateResponse =
+            self.verb("save_state", Effect::ReadOnly, &serde_json::json!({}))?;
+        self.recovery = Recovery::Load(answer.state_id.clone());
         let record = RemoteState {
             server: self.server.clone(),
             state_id: answer.state_id,
@@ -434,17 +671,19 @@ impl Engine for RemoteEngine {
                 self.server
             );
         }
-        self.info = self.verb(
-            "load_state",
-            &LoadStateBody {
-                state_id: record.state_id,
-            },
-        )?;
+        let body = LoadStateBody {
+            state_id: record.state_id.clone(),
+        };
+        // Whatever the engine held is replaced: a lost engine is simply created again.
+        self.recovery = Recovery::Create;
+        self.info = self.verb("load_state", Effect::Trains, &body)?;
+        self.recovery = Recovery::Load(record.state_id);
         Ok(())
     }
 
     fn export_hf(&mut self, dir: &Path) -> std::result::Result<(), RemoteError> {
-        let export: ExportResponse = self.verb("export_hf", &serde_json::json!({}))?;
+        let export: ExportResponse =
+            self.verb("export_hf", Effect::ReadOnly, &serde_json::json!({}))?;
         std::fs::create_dir_all(dir).map_err(|source| RemoteError::Io {
             path: dir.to_path_buf(),
             source,

@@ -159,6 +159,29 @@ pub struct Generation {
     pub text: Option<String>,
 }
 
+/// A running sample's tokens so far, reported after each step that appends to it and does
+/// not finish it (the step that finishes it reports its [`Generation`] instead).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SampleProgress<'a> {
+    /// The request's id.
+    pub request_id: u64,
+    /// Which of the request's `n` samples.
+    pub sample_index: usize,
+    /// Every token generated so far (they only grow: a preempted sample keeps its tokens).
+    pub tokens: &'a [u32],
+    /// Their log-probs; empty when the request did not ask for log-probs.
+    pub logprobs: &'a [f32],
+}
+
+/// What a streaming run reports: tokens as they are decoded, then each finished sample.
+#[derive(Clone, Debug, PartialEq)]
+pub enum SampleEvent<'a> {
+    /// New tokens of a running sample.
+    Progress(SampleProgress<'a>),
+    /// A finished sample.
+    Finished(Generation),
+}
+
 /// Sizes and limits of a [`Sampler`].
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -517,9 +540,11 @@ impl<M: CachedModel> Sampler<M> {
             self.submit(request)?;
         }
         while self.has_unfinished() {
-            self.step_inner(model, &mut |key, generation| {
-                let index = generation.sample_index;
-                slots[(key - first_key) as usize][index] = Some(generation);
+            self.step_inner(model, false, &mut |key, event| {
+                if let SampleEvent::Finished(generation) = event {
+                    let index = generation.sample_index;
+                    slots[(key - first_key) as usize][index] = Some(generation);
+                }
             })?;
         }
         Ok(slots
@@ -542,6 +567,19 @@ impl<M: CachedModel> Sampler<M> {
         Ok(())
     }
 
+    /// [`Sampler::run`] that also reports each running sample's tokens after every step
+    /// that decodes one ([`SampleEvent::Progress`]), for streaming to a client.
+    pub fn run_streaming(
+        &mut self,
+        model: &M,
+        on_event: &mut dyn FnMut(SampleEvent<'_>),
+    ) -> Result<(), SampleError> {
+        while self.has_unfinished() {
+            self.step_inner(model, true, &mut |_, event| on_event(event))?;
+        }
+        Ok(())
+    }
+
     /// One scheduling round and model call; each sample that finishes goes to
     /// `on_finish`. Does nothing when idle.
     ///
@@ -552,13 +590,20 @@ impl<M: CachedModel> Sampler<M> {
         model: &M,
         on_finish: &mut dyn FnMut(Generation),
     ) -> Result<(), SampleError> {
-        self.step_inner(model, &mut |_, generation| on_finish(generation))
+        self.step_inner(model, false, &mut |_, event| {
+            if let SampleEvent::Finished(generation) = event {
+                on_finish(generation);
+            }
+        })
     }
 
+    /// One step; `progress` asks for [`SampleEvent::Progress`] of the samples that
+    /// decoded a token and go on. `emit` gets each event with its request's key.
     fn step_inner(
         &mut self,
         model: &M,
-        emit: &mut dyn FnMut(u64, Generation),
+        progress: bool,
+        emit: &mut dyn FnMut(u64, SampleEvent<'_>),
     ) -> Result<(), SampleError> {
         if !self.has_unfinished() {
             return Ok(());
@@ -604,10 +649,18 @@ impl<M: CachedModel> Sampler<M> {
                     seq.computed += chunk.len;
                     if let Some(row) = chunk.logits_row {
                         let request = &self.requests[&seq.request];
-                        if let Some(reason) =
-                            append_token(seq, request, sampled[row], self.detokenizer.as_ref())
-                        {
-                            finished.push((chunk.seq, reason));
+                        match append_token(seq, request, sampled[row], self.detokenizer.as_ref()) {
+                            Some(reason) => finished.push((chunk.seq, reason)),
+                            None if progress => emit(
+                                seq.request,
+                                SampleEvent::Progress(SampleProgress {
+                                    request_id: request.id,
+                                    sample_index: seq.index,
+                                    tokens: &seq.tokens[seq.prompt_len..],
+                                    logprobs: &seq.logprobs,
+                                }),
+                            ),
+                            None => {}
                         }
                     }
                 }
@@ -646,7 +699,7 @@ impl<M: CachedModel> Sampler<M> {
                     self.blocks.release(&mut seq.table);
                     let (stop_reason, text) = reasons.remove(&index).expect("finished sample");
                     let (key, generation) = self.finish(seq, stop_reason, text);
-                    emit(key, generation);
+                    emit(key, SampleEvent::Finished(generation));
                 }
             }
         }

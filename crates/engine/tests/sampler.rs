@@ -4,13 +4,14 @@
 //! position is an error.
 
 use std::cell::Cell;
+use std::collections::HashMap;
 
 use floe_backend::cpu::CpuBackend;
 use floe_backend::sampling::mix64;
 use floe_backend::{Backend, BufKind, SamplingRow};
 use floe_engine::{
-    sample_seed, CachedInput, CachedModel, Generation, SampleError, SampleRequest, Sampler,
-    SamplerConfig, SamplingParams, Stop, StopReason,
+    sample_seed, CachedInput, CachedModel, Generation, SampleError, SampleEvent, SampleRequest,
+    Sampler, SamplerConfig, SamplingParams, Stop, StopReason,
 };
 
 const VOCAB: usize = 64;
@@ -430,6 +431,59 @@ fn samples_are_delivered_as_they_finish() {
         .iter()
         .all(|&(id, call)| id == 1 && call == 41));
     assert!(!sampler.has_unfinished());
+}
+
+/// A streaming run reports every token of a running sample as it is decoded, one more
+/// each time, a prefix of what the sample finishes with (preemption included), and
+/// finishes with the samples a plain run gives.
+#[test]
+fn progress_reports_each_token_as_it_is_decoded() {
+    let model = ContextHashModel::default();
+    let requests = mixed_requests();
+    // A cache small enough to preempt.
+    let (expected, stats) = generate(&model, config(24, 4, 16), &requests);
+    assert!(stats.preemptions > 0);
+    let mut sampler = Sampler::new(&model, config(24, 4, 16))
+        .unwrap()
+        .with_detokenizer(Box::new(detokenize));
+    for request in requests {
+        sampler.submit(request).unwrap();
+    }
+    let mut seen: HashMap<(u64, usize), (Vec<u32>, Vec<f32>)> = HashMap::new();
+    let mut finished = Vec::new();
+    sampler
+        .run_streaming(&model, &mut |event| match event {
+            SampleEvent::Progress(p) => {
+                let (tokens, logprobs) = seen.entry((p.request_id, p.sample_index)).or_default();
+                assert_eq!(p.tokens.len(), tokens.len() + 1, "one new token a report");
+                assert_eq!(
+                    &p.tokens[..tokens.len()],
+                    &tokens[..],
+                    "reported tokens stay"
+                );
+                assert_eq!(&p.logprobs[..logprobs.len()], &logprobs[..]);
+                *tokens = p.tokens.to_vec();
+                *logprobs = p.logprobs.to_vec();
+            }
+            SampleEvent::Finished(g) => {
+                let (tokens, logprobs) = seen
+                    .remove(&(g.request_id, g.sample_index))
+                    .unwrap_or_default();
+                assert_eq!(
+                    tokens.len() + 1,
+                    g.tokens.len(),
+                    "all but the last reported"
+                );
+                assert_eq!(tokens[..], g.tokens[..tokens.len()]);
+                assert_eq!(logprobs[..], g.logprobs[..logprobs.len()]);
+                finished.push(g);
+            }
+        })
+        .unwrap();
+    assert!(seen.is_empty(), "reports of samples that never finished");
+    let key = |g: &Generation| (g.request_id, g.sample_index);
+    finished.sort_by_key(key);
+    assert_eq!(finished, expected);
 }
 
 #[test]

@@ -10,9 +10,11 @@
 //! `token_ids` and their log-probs (OpenAI's `logprobs` shape, always filled), and the
 //! response the rendered `prompt_token_ids`, so training uses exactly the sampled tokens.
 //!
-//! Streaming (`stream: true`) answers server-sent events in OpenAI's chunk format; the
-//! engine reports a sample when it finishes, so each choice's chunks (one per token)
-//! arrive together once that sample is done. Errors use OpenAI's
+//! Streaming (`stream: true`) answers server-sent events in OpenAI's chunk format as the
+//! engine decodes: after each engine step a chunk per choice carries its new tokens' ids
+//! and log-probs and the text they complete. Text waits while it ends inside a UTF-8
+//! character or could be the start of a stop string (or, with tools, of a tool call), so
+//! the chunks' text adds up to the non-streamed content. Errors use OpenAI's
 //! `{"error": {"message", "type", "param", "code"}}` shape.
 
 use std::collections::HashMap;
@@ -27,7 +29,9 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use floe_engine::{AnyLocalEngine, Engine, Generation, SampleRequest, SamplingParams, StopReason};
+use floe_engine::{
+    AnyLocalEngine, Engine, Generation, SampleProgress, SampleRequest, SamplingParams, StopReason,
+};
 use floe_model::chat_template::ChatTemplate;
 use floe_model::tokenizer::Tokenizer;
 use serde::Deserialize;
@@ -149,6 +153,7 @@ pub fn router<S: Clone + Send + Sync + 'static>(app: AppRef) -> Router<S> {
         .route("/chat/completions", post(chat_completions))
         .route("/completions", post(completions))
         .route("/models", get(models))
+        .route("/tokenize", post(tokenize))
         .route_layer(middleware::from_fn_with_state(
             Arc::clone(&state),
             authenticate,
@@ -156,7 +161,7 @@ pub fn router<S: Clone + Send + Sync + 'static>(app: AppRef) -> Router<S> {
         .fallback(|| async {
             OpenAiError {
                 status: StatusCode::NOT_FOUND,
-                message: "no such route; this server offers /v1/chat/completions, /v1/completions and /v1/models".into(),
+                message: "no such route; this server offers /v1/chat/completions, /v1/completions, /v1/models and /v1/tokenize".into(),
                 param: None,
                 code: None,
             }
@@ -311,6 +316,9 @@ struct Common {
     /// vLLM's extension: token ids that end a sample (besides EOS).
     #[serde(default)]
     stop_token_ids: Vec<u32>,
+    /// vLLM's extension: keep the matched stop string at the end of the text.
+    #[serde(default)]
+    include_stop_str_in_output: bool,
     seed: Option<u64>,
     #[serde(default)]
     stream: bool,
@@ -424,7 +432,7 @@ fn sampling_params(
         max_new_tokens,
         stop_token_ids,
         stop_strings,
-        include_stop_str_in_output: false,
+        include_stop_str_in_output: common.include_stop_str_in_output,
         seed: common.seed,
         logprobs: true,
         ..SamplingParams::default()
@@ -444,6 +452,12 @@ fn choices(common: &Common) -> Result<usize, OpenAiError> {
 
 /// What the engine job reports.
 enum Event {
+    /// New tokens of a running sample (streams only).
+    Tokens {
+        index: usize,
+        tokens: Vec<u32>,
+        logprobs: Vec<f32>,
+    },
     Generation(Generation),
     Done,
     Failed(StatusCode, String),
@@ -456,6 +470,7 @@ fn submit(
     prompt: Vec<u32>,
     n: usize,
     params: SamplingParams,
+    stream: bool,
 ) -> Result<tokio::sync::mpsc::UnboundedReceiver<Event>, OpenAiError> {
     let (events, receiver) = tokio::sync::mpsc::unbounded_channel();
     let request = SampleRequest {
@@ -470,6 +485,8 @@ fn submit(
         sink: Box::new(OpenAiSample {
             events,
             training: target.training,
+            stream,
+            reported: Vec::new(),
         }),
     };
     state.app.submit_sample(&target.worker, job)?;
@@ -481,9 +498,33 @@ struct OpenAiSample {
     events: tokio::sync::mpsc::UnboundedSender<Event>,
     /// A training model: sync its sampler to the latest weights first.
     training: bool,
+    /// Send tokens as they are decoded.
+    stream: bool,
+    /// Tokens sent so far, by sample index.
+    reported: Vec<usize>,
 }
 
 impl SampleSink for OpenAiSample {
+    fn streams(&self) -> bool {
+        self.stream
+    }
+
+    fn progress(&mut self, progress: SampleProgress<'_>) {
+        let index = progress.sample_index;
+        if self.reported.len() <= index {
+            self.reported.resize(index + 1, 0);
+        }
+        let from = self.reported[index];
+        if progress.tokens.len() > from {
+            self.reported[index] = progress.tokens.len();
+            let _ = self.events.send(Event::Tokens {
+                index,
+                tokens: progress.tokens[from..].to_vec(),
+                logprobs: progress.logprobs.get(from..).unwrap_or_default().to_vec(),
+            });
+        }
+    }
+
     fn prepare(&mut self, engine: &mut AnyLocalEngine) -> Result<(), SampleFailure> {
         if self.training {
             engine.sync_sampler_weights().map_err(|e| SampleFailure {
@@ -526,6 +567,7 @@ async fn collect(
     loop {
         match receiver.recv().await {
             Some(Event::Generation(g)) => generations.push(g),
+            Some(Event::Tokens { .. }) => {}
             Some(Event::Done) => break,
             Some(Event::Failed(status, message)) => {
                 return Err(OpenAiError {
@@ -594,16 +636,16 @@ fn chat_logprobs(text: &Text, tokens: &[u32], logprobs: &[f32]) -> Value {
     json!({ "content": content })
 }
 
-/// OpenAI completions `logprobs` of `tokens`.
-fn completion_logprobs(text: &Text, tokens: &[u32], logprobs: &[f32], offset: usize) -> Value {
+/// OpenAI completions `logprobs` of `tokens`, the first at text offset `at` (moved past
+/// them).
+fn completion_logprobs(text: &Text, tokens: &[u32], logprobs: &[f32], at: &mut usize) -> Value {
     let mut offsets = Vec::with_capacity(tokens.len());
-    let mut at = offset;
     let pieces: Vec<String> = tokens
         .iter()
         .map(|&id| {
             let piece = token_text(text, id);
-            offsets.push(at);
-            at += piece.len();
+            offsets.push(*at);
+            *at += piece.len();
             piece
         })
         .collect();
@@ -631,10 +673,13 @@ fn now() -> u64 {
         .unwrap_or(0)
 }
 
+/// Where a Hermes/Qwen-style tool call starts.
+const TOOL_CALL_OPEN: &str = "<tool_call>";
+
 /// The tool calls of Hermes/Qwen-style output (`<tool_call>{"name", "arguments"}</tool_call>`),
 /// and the content before the first one; `None` when it has none that parse.
 fn parse_tool_calls(content: &str) -> Option<(Option<String>, Vec<Value>)> {
-    const OPEN: &str = "<tool_call>";
+    const OPEN: &str = TOOL_CALL_OPEN;
     const CLOSE: &str = "</tool_call>";
     let first = content.find(OPEN)?;
     let mut calls = Vec::new();
@@ -662,16 +707,36 @@ fn parse_tool_calls(content: &str) -> Option<(Option<String>, Vec<Value>)> {
 
 /// The rendered, tokenized prompt of a chat request.
 fn chat_prompt(text: &Text, request: &ChatRequest) -> Result<Vec<u32>, OpenAiError> {
+    let rendered = render_chat(
+        text,
+        &request.common.model,
+        &request.messages,
+        request.tools.as_ref(),
+        request.chat_template_kwargs.as_ref(),
+        true,
+    )?;
+    text.tokenizer
+        .encode(&rendered, false)
+        .map_err(|e| OpenAiError::bad(format!("tokenizing the prompt: {e}"), "messages"))
+}
+
+/// `messages` (with `tools` and template variables) rendered through the chat template
+/// of `model`, ending with the assistant's generation prompt when `generation_prompt`.
+fn render_chat(
+    text: &Text,
+    model: &str,
+    messages: &Value,
+    tools: Option<&Value>,
+    chat_template_kwargs: Option<&Value>,
+    generation_prompt: bool,
+) -> Result<String, OpenAiError> {
     let Some(template) = &text.template else {
         return Err(OpenAiError::bad(
-            format!(
-                "the model {:?} has no chat template; use /v1/completions",
-                request.common.model
-            ),
+            format!("the model {model:?} has no chat template; use /v1/completions"),
             "model",
         ));
     };
-    let Value::Array(raw) = &request.messages else {
+    let Value::Array(raw) = messages else {
         return Err(OpenAiError::bad("messages must be an array", "messages"));
     };
     if raw.is_empty() {
@@ -728,22 +793,19 @@ fn chat_prompt(text: &Text, request: &ChatRequest) -> Result<Vec<u32>, OpenAiErr
         messages.push(Value::Object(fields));
     }
     let mut extra = serde_json::Map::new();
-    if let Some(tools) = &request.tools {
+    if let Some(tools) = tools {
         if !matches!(tools, Value::Array(_)) {
             return Err(OpenAiError::bad("tools must be an array", "tools"));
         }
         if !template.source().contains("tools") {
             return Err(OpenAiError::bad(
-                format!(
-                    "the chat template of {:?} does not render tools",
-                    request.common.model
-                ),
+                format!("the chat template of {model:?} does not render tools"),
                 "tools",
             ));
         }
         extra.insert("tools".into(), tools.clone());
     }
-    match &request.chat_template_kwargs {
+    match chat_template_kwargs {
         None | Some(Value::Null) => {}
         Some(Value::Object(kwargs)) => extra.extend(kwargs.clone()),
         Some(_) => {
@@ -753,12 +815,61 @@ fn chat_prompt(text: &Text, request: &ChatRequest) -> Result<Vec<u32>, OpenAiErr
             ))
         }
     }
-    let rendered = template
-        .render(&messages, true, &Value::Object(extra))
-        .map_err(|e| OpenAiError::bad(format!("rendering the chat template: {e}"), "messages"))?;
-    text.tokenizer
-        .encode(&rendered, false)
-        .map_err(|e| OpenAiError::bad(format!("tokenizing the prompt: {e}"), "messages"))
+    template
+        .render(&messages, generation_prompt, &Value::Object(extra))
+        .map_err(|e| OpenAiError::bad(format!("rendering the chat template: {e}"), "messages"))
+}
+
+/// `POST /v1/tokenize` (vLLM's route, under `/v1`): the token ids of a text `prompt`
+/// (`add_special_tokens`, default true) or of chat `messages` rendered through the
+/// template (`add_generation_prompt`, default true; the rendered text comes back as
+/// `prompt`), so an agent can splice a multi-turn episode's tokens itself.
+async fn tokenize(State(state): State<OpenAiRef>, body: Body) -> Result<Response, OpenAiError> {
+    #[derive(Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct TokenizeRequest {
+        model: String,
+        prompt: Option<String>,
+        messages: Option<Value>,
+        tools: Option<Value>,
+        chat_template_kwargs: Option<Value>,
+        add_special_tokens: Option<bool>,
+        add_generation_prompt: Option<bool>,
+    }
+    let request: TokenizeRequest = parse("tokenize", body)?;
+    let target = state.target(&request.model)?;
+    let text = state.text(&target.base_model)?;
+    let (rendered, special) = match (&request.prompt, &request.messages) {
+        (Some(prompt), None) => (prompt.clone(), request.add_special_tokens.unwrap_or(true)),
+        (None, Some(messages)) => (
+            render_chat(
+                &text,
+                &request.model,
+                messages,
+                request.tools.as_ref(),
+                request.chat_template_kwargs.as_ref(),
+                request.add_generation_prompt.unwrap_or(true),
+            )?,
+            request.add_special_tokens.unwrap_or(false),
+        ),
+        _ => {
+            return Err(OpenAiError::bad(
+                "give exactly one of prompt (a string) and messages",
+                "prompt",
+            ))
+        }
+    };
+    let tokens = text
+        .tokenizer
+        .encode(&rendered, special)
+        .map_err(|e| OpenAiError::bad(format!("tokenizing: {e}"), "prompt"))?;
+    Ok(Json(json!({
+        "count": tokens.len(),
+        "max_model_len": target.facts.max_context,
+        "tokens": tokens,
+        "prompt": rendered,
+    }))
+    .into_response())
 }
 
 /// `POST /v1/chat/completions`.
@@ -772,7 +883,12 @@ async fn chat_completions(
     let prompt = chat_prompt(&text, &request)?;
     let n = choices(&request.common)?;
     let params = sampling_params(&request.common, &target.facts, prompt.len(), None)?;
-    let receiver = submit(&state, &target, prompt.clone(), n, params)?;
+    let mut holds = params.stop_strings.clone();
+    if request.tools.is_some() {
+        holds.push(TOOL_CALL_OPEN.to_string());
+    }
+    let stream = request.common.stream;
+    let receiver = submit(&state, &target, prompt.clone(), n, params, stream)?;
     let meta = Meta {
         id: random_id("chatcmpl"),
         model: request.common.model.clone(),
@@ -784,8 +900,13 @@ async fn chat_completions(
             .as_ref()
             .is_some_and(|o| o.include_usage),
     };
-    if request.common.stream {
-        return Ok(sse(chat_stream(text, meta, prompt, receiver)));
+    if stream {
+        let spec = StreamSpec {
+            kind: StreamKind::Chat,
+            n,
+            holds,
+        };
+        return Ok(sse(stream_choices(text, meta, spec, prompt, receiver)));
     }
     let generations = collect(receiver).await?;
     let choices: Vec<Value> = generations
@@ -886,7 +1007,9 @@ async fn completions(State(state): State<OpenAiRef>, body: Body) -> Result<Respo
         prompt.len(),
         Some(COMPLETIONS_DEFAULT_MAX_TOKENS),
     )?;
-    let receiver = submit(&state, &target, prompt.clone(), n, params)?;
+    let holds = params.stop_strings.clone();
+    let stream = request.common.stream;
+    let receiver = submit(&state, &target, prompt.clone(), n, params, stream)?;
     let meta = Meta {
         id: random_id("cmpl"),
         model: request.common.model.clone(),
@@ -898,8 +1021,13 @@ async fn completions(State(state): State<OpenAiRef>, body: Body) -> Result<Respo
             .as_ref()
             .is_some_and(|o| o.include_usage),
     };
-    if request.common.stream {
-        return Ok(sse(completion_stream(text, meta, prompt, receiver)));
+    if stream {
+        let spec = StreamSpec {
+            kind: StreamKind::Completion,
+            n,
+            holds,
+        };
+        return Ok(sse(stream_choices(text, meta, spec, prompt, receiver)));
     }
     let generations = collect(receiver).await?;
     let choices: Vec<Value> = generations
@@ -909,7 +1037,7 @@ async fn completions(State(state): State<OpenAiRef>, body: Body) -> Result<Respo
             json!({
                 "index": g.sample_index,
                 "text": finished.content,
-                "logprobs": completion_logprobs(&text, &g.tokens, &g.logprobs, 0),
+                "logprobs": completion_logprobs(&text, &g.tokens, &g.logprobs, &mut 0),
                 "finish_reason": finished.finish_reason,
                 "token_ids": g.tokens,
             })
@@ -954,223 +1082,283 @@ fn sse(events: tokio::sync::mpsc::UnboundedReceiver<String>) -> Response {
         .into_response()
 }
 
-/// Splits a finished generation into per-token text pieces whose concatenation is its
-/// content (incremental detokenization; a token that ends inside a UTF-8 character gives
-/// an empty piece and the next one carries it).
-fn token_pieces(text: &Text, tokens: &[u32], content: &str) -> Vec<String> {
-    let mut pieces = Vec::with_capacity(tokens.len());
-    let mut emitted = 0usize;
-    let (mut prefix, mut read) = (0usize, 0usize);
-    for i in 0..tokens.len() {
-        let before = text
-            .tokenizer
-            .decode(&tokens[prefix..read], true)
-            .unwrap_or_default();
-        let now = text
-            .tokenizer
-            .decode(&tokens[prefix..=i], true)
-            .unwrap_or_default();
-        let mut piece = String::new();
+/// Which route a stream answers: the shape of its chunks.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum StreamKind {
+    Chat,
+    Completion,
+}
+
+/// What a stream needs besides its events.
+struct StreamSpec {
+    kind: StreamKind,
+    /// Choices (`n`).
+    n: usize,
+    /// Strings whose text waits until the choice ends: the stop strings (the engine cuts
+    /// the content before them) and, with tools, the tool call's opening tag (the calls
+    /// go out parsed at the end).
+    holds: Vec<String>,
+}
+
+/// One choice of a stream while it is sampled: the tokens received, the text decoded
+/// from them, and how much of that was sent.
+#[derive(Default)]
+struct ChoiceStream {
+    tokens: Vec<u32>,
+    /// Incremental detokenization (as vLLM's): `text` is the text of `tokens[..read]`;
+    /// new tokens are decoded in the window `tokens[prefix..]` and what they add to the
+    /// window's text is appended, unless it ends inside a UTF-8 character (`U+FFFD`), in
+    /// which case it waits for the next token.
+    prefix: usize,
+    read: usize,
+    text: String,
+    /// Bytes of `text` sent.
+    sent: usize,
+    /// Completions' `text_offset` of the next token.
+    offset: usize,
+}
+
+impl ChoiceStream {
+    /// Takes new tokens and decodes what they complete.
+    fn push(&mut self, text: &Text, tokens: &[u32]) {
+        self.tokens.extend_from_slice(tokens);
+        let decode = |ids: &[u32]| text.tokenizer.decode(ids, true).unwrap_or_default();
+        let before = decode(&self.tokens[self.prefix..self.read]);
+        let now = decode(&self.tokens[self.prefix..]);
         if now.len() > before.len() && now.starts_with(&before) && !now.ends_with('\u{FFFD}') {
-            piece = now[before.len()..].to_string();
-            prefix = read;
-            read = i + 1;
-        }
-        // Keep to the content (a stop string cuts it short).
-        let room = content.len().saturating_sub(emitted);
-        if piece.len() > room || !content[emitted..].starts_with(&piece) {
-            piece = content[emitted..].to_string();
-        }
-        emitted += piece.len();
-        pieces.push(piece);
-    }
-    if emitted < content.len() {
-        if let Some(last) = pieces.last_mut() {
-            last.push_str(&content[emitted..]);
+            self.text.push_str(&now[before.len()..]);
+            self.prefix = self.read;
+            self.read = self.tokens.len();
         }
     }
-    pieces
+
+    /// The decoded text not sent yet, up to where one of `holds` starts or may start
+    /// (a suffix that is a prefix of one); marks it sent.
+    fn release(&mut self, holds: &[String]) -> &str {
+        let from = self.sent;
+        let end = self.text[from..]
+            .char_indices()
+            .map(|(i, _)| from + i)
+            .find(|&i| {
+                let rest = &self.text[i..];
+                holds
+                    .iter()
+                    .any(|h| rest.starts_with(h.as_str()) || h.starts_with(rest))
+            })
+            .unwrap_or(self.text.len());
+        self.sent = end;
+        &self.text[from..end]
+    }
+
+    /// What is left of the finished content after the text already sent.
+    fn rest_of<'c>(&self, content: &'c str) -> &'c str {
+        let sent = &self.text[..self.sent];
+        content.strip_prefix(sent).unwrap_or_else(|| {
+            // Incremental decoding gave other text than decoding the whole sample; what
+            // went out cannot be taken back.
+            tracing::warn!(
+                sent,
+                content,
+                "a streamed choice's text differs from its content"
+            );
+            content.get(sent.len()..).unwrap_or_default()
+        })
+    }
 }
 
-fn chat_chunk(meta: &Meta, choices: Value) -> String {
-    json!({
-        "id": meta.id,
-        "object": "chat.completion.chunk",
-        "created": meta.created,
-        "model": meta.model,
-        "choices": choices,
-    })
-    .to_string()
-}
-
-fn stream_error(status: StatusCode, message: &str) -> String {
-    error_body(status, message, None, None).to_string()
-}
-
-/// Runs a stream: each choice is sent by `send_choice` as it finishes (`first` holds the
-/// prompt's ids for the stream's first chunk to carry), then, when every choice is done,
-/// the usage chunk if asked for (built on `empty_chunk`) and `[DONE]`; an engine failure
-/// ends the stream with an error chunk.
-fn stream_choices(
+/// Writes a stream's chunks; the first one carries the prompt's token ids.
+struct ChunkWriter {
     meta: Meta,
-    prompt: Vec<u32>,
-    mut receiver: tokio::sync::mpsc::UnboundedReceiver<Event>,
-    empty_chunk: fn(&Meta) -> Value,
-    mut send_choice: impl FnMut(&Meta, &Generation, &mut Option<&[u32]>, &Sender) + Send + 'static,
-) -> tokio::sync::mpsc::UnboundedReceiver<String> {
-    let (out, chunks) = tokio::sync::mpsc::unbounded_channel();
-    tokio::spawn(async move {
-        let mut generations = Vec::new();
-        let mut first = Some(prompt.as_slice());
-        while let Some(event) = receiver.recv().await {
-            match event {
-                Event::Generation(g) => {
-                    send_choice(&meta, &g, &mut first, &out);
-                    generations.push(g);
-                }
-                Event::Done => {
-                    if meta.include_usage {
-                        let mut last = empty_chunk(&meta);
-                        last["usage"] = usage(prompt.len(), &generations);
-                        let _ = out.send(last.to_string());
-                    }
-                    let _ = out.send("[DONE]".to_string());
-                    return;
-                }
-                Event::Failed(status, message) => {
-                    let _ = out.send(stream_error(status, &message));
-                    return;
-                }
-            }
-        }
-        let _ = out.send(stream_error(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "the engine stopped before the samples were done",
-        ));
-    });
-    chunks
+    kind: StreamKind,
+    out: tokio::sync::mpsc::UnboundedSender<String>,
+    prompt: Option<Vec<u32>>,
 }
 
-/// Where a stream's chunks go.
-type Sender = tokio::sync::mpsc::UnboundedSender<String>;
-
-/// The chunks of a streamed chat completion: for each choice as it finishes, a role
-/// chunk, one chunk per token (with its log-prob and id), and a finish chunk.
-fn chat_stream(
-    text: Arc<Text>,
-    meta: Meta,
-    prompt: Vec<u32>,
-    receiver: tokio::sync::mpsc::UnboundedReceiver<Event>,
-) -> tokio::sync::mpsc::UnboundedReceiver<String> {
-    let empty = |meta: &Meta| serde_json::from_str(&chat_chunk(meta, json!([]))).expect("JSON");
-    stream_choices(meta, prompt, receiver, empty, move |meta, g, first, out| {
-        let i = g.sample_index;
-        let mut head: Value = serde_json::from_str(&chat_chunk(
-            meta,
-            json!([{ "index": i, "delta": { "role": "assistant", "content": "" }, "logprobs": null, "finish_reason": null }]),
-        ))
-        .expect("a chunk is JSON");
-        if let Some(prompt) = first.take() {
-            head["prompt_token_ids"] = json!(prompt);
-        }
-        let _ = out.send(head.to_string());
-        let finished = finish(&text, g);
-        let mut finish_reason = finished.finish_reason;
-        let calls = if meta.tools {
-            parse_tool_calls(&finished.content)
-        } else {
-            None
+impl ChunkWriter {
+    fn chunk(&self, choices: Value) -> Value {
+        let object = match self.kind {
+            StreamKind::Chat => "chat.completion.chunk",
+            StreamKind::Completion => "text_completion",
         };
-        if let Some((content, calls)) = calls {
-            // Tool calls: one delta with the whole message.
-            let _ = out.send(chat_chunk(
-                meta,
-                json!([{
-                    "index": i,
-                    "delta": { "content": content, "tool_calls": calls.iter().enumerate().map(|(k, c)| {
-                        let mut c = c.clone();
-                        c["index"] = json!(k);
-                        c
-                    }).collect::<Vec<_>>() },
-                    "logprobs": chat_logprobs(&text, &g.tokens, &g.logprobs),
-                    "finish_reason": null,
-                    "token_ids": g.tokens,
-                }]),
-            ));
+        json!({
+            "id": self.meta.id,
+            "object": object,
+            "created": self.meta.created,
+            "model": self.meta.model,
+            "choices": choices,
+        })
+    }
+
+    fn send(&mut self, mut chunk: Value) {
+        if let Some(prompt) = self.prompt.take() {
+            chunk["prompt_token_ids"] = json!(prompt);
+        }
+        let _ = self.out.send(chunk.to_string());
+    }
+
+    /// A choice's text `piece` with the tokens it came with (possibly none, or text
+    /// still held for tokens sent before).
+    fn delta(
+        &mut self,
+        text: &Text,
+        index: usize,
+        choice: &mut ChoiceStream,
+        piece: &str,
+        tokens: &[u32],
+        logprobs: &[f32],
+    ) {
+        let body = match self.kind {
+            StreamKind::Chat => json!({
+                "index": index,
+                "delta": { "content": piece },
+                "logprobs": chat_logprobs(text, tokens, logprobs),
+                "finish_reason": null,
+                "token_ids": tokens,
+            }),
+            StreamKind::Completion => json!({
+                "index": index,
+                "text": piece,
+                "logprobs": completion_logprobs(text, tokens, logprobs, &mut choice.offset),
+                "finish_reason": null,
+                "token_ids": tokens,
+            }),
+        };
+        let chunk = self.chunk(json!([body]));
+        self.send(chunk);
+    }
+
+    /// The end of choice `g`: its tokens not streamed yet, the content still held (or
+    /// its tool calls), then the finish reason.
+    fn finish(&mut self, text: &Text, choice: &mut ChoiceStream, g: &Generation) {
+        let index = g.sample_index;
+        let streamed = choice.tokens.len().min(g.tokens.len());
+        let tokens = &g.tokens[streamed..];
+        let logprobs = g.logprobs.get(streamed..).unwrap_or_default();
+        let finished = finish(text, g);
+        let rest = choice.rest_of(&finished.content).to_string();
+        let mut finish_reason = finished.finish_reason;
+        let calls = match self.kind {
+            StreamKind::Chat if self.meta.tools => parse_tool_calls(&finished.content),
+            _ => None,
+        };
+        if let Some((_, calls)) = calls {
+            // The text before the first call, then the calls parsed, in one delta.
+            let before = rest.find(TOOL_CALL_OPEN).map_or("", |at| &rest[..at]);
+            let calls: Vec<Value> = calls
+                .into_iter()
+                .enumerate()
+                .map(|(k, mut call)| {
+                    call["index"] = json!(k);
+                    call
+                })
+                .collect();
+            let chunk = self.chunk(json!([{
+                "index": index,
+                "delta": { "content": before, "tool_calls": calls },
+                "logprobs": chat_logprobs(text, tokens, logprobs),
+                "finish_reason": null,
+                "token_ids": tokens,
+            }]));
+            self.send(chunk);
             if finish_reason == "stop" {
                 finish_reason = "tool_calls";
             }
-        } else {
-            let pieces = token_pieces(&text, &g.tokens, &finished.content);
-            for ((piece, &id), &lp) in pieces.iter().zip(&g.tokens).zip(&g.logprobs) {
-                let _ = out.send(chat_chunk(
-                    meta,
-                    json!([{
-                        "index": i,
-                        "delta": { "content": piece },
-                        "logprobs": chat_logprobs(&text, &[id], &[lp]),
-                        "finish_reason": null,
-                        "token_ids": [id],
-                    }]),
-                ));
-            }
+        } else if !tokens.is_empty() || !rest.is_empty() {
+            self.delta(text, index, choice, &rest, tokens, logprobs);
         }
-        let _ = out.send(chat_chunk(
-            meta,
-            json!([{ "index": i, "delta": {}, "logprobs": null, "finish_reason": finish_reason }]),
-        ));
-    })
+        let last = match self.kind {
+            StreamKind::Chat => {
+                json!({ "index": index, "delta": {}, "logprobs": null, "finish_reason": finish_reason })
+            }
+            StreamKind::Completion => {
+                json!({ "index": index, "text": "", "logprobs": null, "finish_reason": finish_reason })
+            }
+        };
+        let chunk = self.chunk(json!([last]));
+        self.send(chunk);
+    }
+
+    fn error(&self, status: StatusCode, message: &str) {
+        let _ = self
+            .out
+            .send(error_body(status, message, None, None).to_string());
+    }
 }
 
-fn completion_chunk(meta: &Meta, choices: Value) -> Value {
-    json!({
-        "id": meta.id,
-        "object": "text_completion",
-        "created": meta.created,
-        "model": meta.model,
-        "choices": choices,
-    })
-}
-
-/// The chunks of a streamed completion: one per token of each choice as it finishes,
-/// then a finish chunk.
-fn completion_stream(
+/// Runs a stream: chat's role chunk per choice, then each engine event's chunks as it
+/// comes (new tokens, a finished choice), then, when every choice is done, the usage
+/// chunk if asked for and `[DONE]`; an engine failure ends the stream with an error
+/// chunk.
+fn stream_choices(
     text: Arc<Text>,
     meta: Meta,
+    spec: StreamSpec,
     prompt: Vec<u32>,
-    receiver: tokio::sync::mpsc::UnboundedReceiver<Event>,
+    mut receiver: tokio::sync::mpsc::UnboundedReceiver<Event>,
 ) -> tokio::sync::mpsc::UnboundedReceiver<String> {
-    let empty = |meta: &Meta| completion_chunk(meta, json!([]));
-    stream_choices(meta, prompt, receiver, empty, move |meta, g, first, out| {
-        let i = g.sample_index;
-        let finished = finish(&text, g);
-        let pieces = token_pieces(&text, &g.tokens, &finished.content);
-        let mut offset = 0;
-        for ((piece, &id), &lp) in pieces.iter().zip(&g.tokens).zip(&g.logprobs) {
-            let mut c = completion_chunk(
-                meta,
-                json!([{
-                    "index": i,
-                    "text": piece,
-                    "logprobs": completion_logprobs(&text, &[id], &[lp], offset),
+    let (out, chunks) = tokio::sync::mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        let prompt_len = prompt.len();
+        let mut writer = ChunkWriter {
+            meta,
+            kind: spec.kind,
+            out,
+            prompt: Some(prompt),
+        };
+        let mut choices: Vec<ChoiceStream> = (0..spec.n).map(|_| ChoiceStream::default()).collect();
+        if spec.kind == StreamKind::Chat {
+            for index in 0..spec.n {
+                let chunk = writer.chunk(json!([{
+                    "index": index,
+                    "delta": { "role": "assistant", "content": "" },
+                    "logprobs": null,
                     "finish_reason": null,
-                    "token_ids": [id],
-                }]),
-            );
-            if let Some(prompt) = first.take() {
-                c["prompt_token_ids"] = json!(prompt);
+                }]));
+                writer.send(chunk);
             }
-            offset += piece.len();
-            let _ = out.send(c.to_string());
         }
-        let _ = out.send(
-            completion_chunk(
-                meta,
-                json!([{ "index": i, "text": "", "logprobs": null, "finish_reason": finished.finish_reason }]),
-            )
-            .to_string(),
+        let mut generations = Vec::new();
+        while let Some(event) = receiver.recv().await {
+            match event {
+                Event::Tokens {
+                    index,
+                    tokens,
+                    logprobs,
+                } => {
+                    let Some(choice) = choices.get_mut(index) else {
+                        continue;
+                    };
+                    choice.push(&text, &tokens);
+                    let piece = choice.release(&spec.holds).to_string();
+                    writer.delta(&text, index, choice, &piece, &tokens, &logprobs);
+                }
+                Event::Generation(g) => {
+                    if let Some(choice) = choices.get_mut(g.sample_index) {
+                        writer.finish(&text, choice, &g);
+                    }
+                    generations.push(g);
+                }
+                Event::Done => {
+                    if writer.meta.include_usage {
+                        let mut last = writer.chunk(json!([]));
+                        last["usage"] = usage(prompt_len, &generations);
+                        writer.send(last);
+                    }
+                    let _ = writer.out.send("[DONE]".to_string());
+                    return;
+                }
+                Event::Failed(status, message) => {
+                    writer.error(status, &message);
+                    return;
+                }
+            }
+        }
+        writer.error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "the engine stopped before the samples were done",
         );
-    })
+    });
+    chunks
 }
 
 #[cfg(test)]
@@ -1188,5 +1376,38 @@ mod tests {
         assert_eq!(calls[0]["function"]["arguments"], "{\"q\":\"SELECT 1\"}");
         assert!(parse_tool_calls("no calls here").is_none());
         assert!(parse_tool_calls("<tool_call>not json</tool_call>").is_none());
+    }
+
+    /// Tokens fed one at a time: a character split across byte tokens waits for its last
+    /// byte, and text that may start a held string waits until it cannot.
+    #[test]
+    fn streamed_text_waits_for_whole_characters_and_possible_stop_strings() {
+        let texts = ["SELECT name FROM users WHERE age > 3".to_string()];
+        let tokenizer = floe_model::embedded::train_embedded_tokenizer(&texts).unwrap();
+        let text = Text {
+            tokenizer,
+            template: None,
+        };
+        let whole = "né WHERE café ENDING";
+        let ids = text.tokenizer.encode(whole, false).unwrap();
+        let e_acute = text.tokenizer.encode("é", false).unwrap();
+        assert!(e_acute.len() > 1, "é is one token: {e_acute:?}");
+        let holds = vec!["END".to_string()];
+        let mut choice = ChoiceStream::default();
+        let mut pieces = Vec::new();
+        for &id in &ids {
+            choice.push(&text, &[id]);
+            let piece = choice.release(&holds).to_string();
+            assert!(!piece.contains('\u{FFFD}'), "{piece:?} of {pieces:?}");
+            pieces.push(piece);
+        }
+        // Some token ended inside é and gave nothing; the next one carried it whole.
+        assert!(pieces.iter().any(String::is_empty), "{pieces:?}");
+        assert!(pieces.iter().any(|p| p.contains('é')), "{pieces:?}");
+        assert_eq!(pieces.concat(), "né WHERE café ", "{pieces:?}");
+        // The engine cuts the content before the stop string: nothing more to send.
+        assert_eq!(choice.rest_of("né WHERE café "), "");
+        // Without the stop, the held text goes out at the end.
+        assert_eq!(choice.rest_of(whole), "ENDING");
     }
 }

@@ -4,16 +4,19 @@
 //! one [`Engine::sample`] call, the engine's continuous batch. Each request gets an id
 //! unique in the call; generations go back to their job under the client's own id.
 //!
-//! A job is answered as soon as its own samples are done. A job cancelled before the
-//! batch starts, or whose preparation fails (prompt log-probs), is answered alone; a
-//! request the engine refuses fails its job alone and the rest are resubmitted (the
-//! engine checks every request before it samples any).
+//! A job is answered as soon as its own samples are done; a job that streams gets each
+//! running sample's tokens after every engine step (the whole batch then samples with
+//! progress reports). A job cancelled before the batch starts, or whose preparation fails
+//! (prompt log-probs), is answered alone; a request the engine refuses fails its job alone
+//! and the rest are resubmitted (the engine checks every request before it samples any).
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
-use floe_engine::{AnyLocalEngine, Engine, Generation, SampleError, SampleRequest};
+use floe_engine::{
+    AnyLocalEngine, Engine, Generation, SampleError, SampleEvent, SampleProgress, SampleRequest,
+};
 use serde::Serialize;
 
 use crate::futures::{CancelTicket, Outcome};
@@ -72,6 +75,13 @@ pub trait SampleSink: Send {
     fn prepare(&mut self, _engine: &mut AnyLocalEngine) -> Result<(), SampleFailure> {
         Ok(())
     }
+    /// Whether the job wants [`SampleSink::progress`] (a streaming client); a batch
+    /// without one samples without progress reports.
+    fn streams(&self) -> bool {
+        false
+    }
+    /// A running sample's tokens so far, under the client's request id.
+    fn progress(&mut self, _progress: SampleProgress<'_>) {}
     /// One finished sample, under the client's request id.
     fn generation(&mut self, generation: Generation);
     /// The job is over: every sample was delivered, or it failed; returns its future's
@@ -268,28 +278,51 @@ pub(crate) fn run_batch(
         let submitted_requests = submitted.len();
         stats.engine_calls.fetch_add(1, Ordering::Relaxed);
         let mut delivered = false;
+        let streams = running
+            .iter()
+            .any(|job| job.sink.as_ref().is_some_and(|sink| sink.streams()));
+        let mut on_event = |event: SampleEvent<'_>| {
+            let request_id = match &event {
+                SampleEvent::Progress(progress) => progress.request_id,
+                SampleEvent::Finished(generation) => generation.request_id,
+            };
+            let Some(&(j, client_id)) = owner(request_id) else {
+                tracing::warn!(id = request_id, "a sample of no request of this batch");
+                return;
+            };
+            delivered = true;
+            let job = &mut running[j];
+            match event {
+                SampleEvent::Progress(progress) => {
+                    if let Some(sink) = &mut job.sink {
+                        sink.progress(SampleProgress {
+                            request_id: client_id,
+                            ..progress
+                        });
+                    }
+                }
+                SampleEvent::Finished(mut generation) => {
+                    generation.request_id = client_id;
+                    samples += 1;
+                    tokens += generation.tokens.len();
+                    job.unfinished = job.unfinished.saturating_sub(1);
+                    if let Some(sink) = &mut job.sink {
+                        sink.generation(generation);
+                    }
+                    if job.unfinished == 0 {
+                        job.answer(Ok(()), done);
+                    }
+                }
+            }
+        };
         let result = catch_unwind(AssertUnwindSafe(|| {
-            engine.sample(submitted, &mut |mut generation| {
-                let Some(&(j, client_id)) = owner(generation.request_id) else {
-                    tracing::warn!(
-                        id = generation.request_id,
-                        "a sample of no request of this batch"
-                    );
-                    return;
-                };
-                delivered = true;
-                generation.request_id = client_id;
-                samples += 1;
-                tokens += generation.tokens.len();
-                let job = &mut running[j];
-                job.unfinished = job.unfinished.saturating_sub(1);
-                if let Some(sink) = &mut job.sink {
-                    sink.generation(generation);
-                }
-                if job.unfinished == 0 {
-                    job.answer(Ok(()), done);
-                }
-            })
+            if streams {
+                engine.sample_streaming(submitted, &mut on_event)
+            } else {
+                engine.sample(submitted, &mut |generation| {
+                    on_event(SampleEvent::Finished(generation))
+                })
+            }
         }));
         match result {
             Ok(Ok(())) => {

@@ -384,6 +384,65 @@ fn a_stop_string_ends_the_choice_before_it() {
     assert_eq!((text.as_str(), tokens), (expected, cut_tokens));
 }
 
+/// `/v1/tokenize` gives the ids the sampling routes prompt with, and the chat template's
+/// text; `include_stop_str_in_output` keeps the stop string in the text.
+#[test]
+fn tokenize_matches_the_prompts_and_stop_strings_can_stay_in_the_text() {
+    let dir = tempfile::tempdir().unwrap();
+    let addr = start(config(dir.path()));
+    let chat = ok(&post_v1(
+        addr,
+        "chat/completions",
+        &chat_body(BASE_MODEL, 1, 7),
+    ));
+    let messages = chat_body(BASE_MODEL, 1, 7)["messages"].clone();
+    let tokenized = ok(&post_v1(
+        addr,
+        "tokenize",
+        &json!({"model": BASE_MODEL, "messages": messages}),
+    ));
+    assert_eq!(tokenized["tokens"], chat["prompt_token_ids"]);
+    assert!(tokenized["prompt"]
+        .as_str()
+        .unwrap()
+        .contains("What is 2 + 3?"));
+    let text = "User: Name a colour.";
+    let completion = ok(&post_v1(
+        addr,
+        "completions",
+        &json!({"model": BASE_MODEL, "prompt": text, "max_tokens": 24, "seed": 5}),
+    ));
+    let tokenized = ok(&post_v1(
+        addr,
+        "tokenize",
+        &json!({"model": BASE_MODEL, "prompt": text}),
+    ));
+    assert_eq!(tokenized["tokens"], completion["prompt_token_ids"]);
+    assert_eq!(tokenized["count"], completion["usage"]["prompt_tokens"]);
+    let both = post_v1(
+        addr,
+        "tokenize",
+        &json!({"model": BASE_MODEL, "prompt": text, "messages": messages}),
+    );
+    assert_openai_error(&both, 400, "exactly one of prompt");
+
+    let sampled: Vec<char> = completion["choices"][0]["text"]
+        .as_str()
+        .unwrap()
+        .chars()
+        .collect();
+    assert!(sampled.len() >= 6, "too short to cut: {sampled:?}");
+    let stop: String = sampled[3..5].iter().collect();
+    let kept = ok(&post_v1(
+        addr,
+        "completions",
+        &json!({"model": BASE_MODEL, "prompt": text, "max_tokens": 24, "seed": 5,
+                "stop": [stop], "include_stop_str_in_output": true}),
+    ));
+    let kept = kept["choices"][0]["text"].as_str().unwrap();
+    assert!(kept.ends_with(&stop), "{kept:?} does not end with {stop:?}");
+}
+
 fn assert_openai_error(reply: &Reply, status: u16, needle: &str) {
     assert_eq!(
         reply.status,

@@ -2,11 +2,15 @@
 
 Reads OPENAI_BASE_URL, OPENAI_API_KEY and FLOE_BASE_MODEL. Checks that chat, streamed
 chat and completions return the sampled token ids with one log-prob each, that the same
-prompt and seed give the same tokens and log-probs on every route, that a multi-turn
+prompt and seed give the same tokens and log-probs on every route, that streams arrive
+token by token while the engine decodes (also with a stop string across tokens, and
+beside other clients' requests) and add up to the non-streamed result, that a multi-turn
 tool-call episode renders, and that bad requests raise the SDK's 4xx errors.
 """
 
+import concurrent.futures
 import os
+import time
 
 import openai
 from openai import OpenAI
@@ -65,6 +69,81 @@ for chunk in client.chat.completions.create(
             logprobs.extend(t.logprob for t in choice.logprobs.content)
         streamed[choice.index] = (tokens, logprobs, text + (choice.delta.content or ""))
 assert streamed == whole, (streamed, whole)
+
+# Token-by-token streaming: a long completion arrives in many chunks, spread over the
+# time the engine decodes, and adds up to the non-streamed result of the same seed.
+def streamed_completion(prompt, seed, max_tokens, stop=None):
+    """(tokens, logprobs, text, finish_reason, seconds at each token chunk, usage)."""
+    tokens, logprobs, text, finish, times, usage = [], [], "", None, [], None
+    started = time.monotonic()
+    for chunk in client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=max_tokens, seed=seed, stop=stop,
+        stream=True, stream_options={"include_usage": True},
+    ):
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            ids = (choice.model_extra or {}).get("token_ids")
+            if ids:
+                times.append(time.monotonic() - started)
+                tokens.extend(ids)
+                logprobs.extend(choice.logprobs.token_logprobs)
+            text += choice.text
+            finish = choice.finish_reason or finish
+    return tokens, logprobs, text, finish, times, usage
+
+
+def whole_completion(prompt, seed, max_tokens, stop=None):
+    done = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=max_tokens, seed=seed, stop=stop
+    )
+    choice = done.choices[0]
+    return extra(choice, "token_ids"), choice.logprobs.token_logprobs, choice.text, choice.finish_reason, done.usage
+
+
+LONG = 96
+long_prompt = "SELECT name FROM"
+seed = next(
+    s for s in range(64)
+    if whole_completion(long_prompt, s, LONG)[3] == "length"
+)
+tokens, logprobs, text, finish, usage = whole_completion(long_prompt, seed, LONG)
+s_tokens, s_logprobs, s_text, s_finish, times, s_usage = streamed_completion(long_prompt, seed, LONG)
+assert (s_tokens, s_logprobs, s_text, s_finish) == (tokens, logprobs, text, finish), (s_text, text)
+assert s_usage.completion_tokens == usage.completion_tokens == LONG, (s_usage, usage)
+assert len(times) > LONG // 2, f"{len(times)} token chunks for {LONG} tokens"
+# The first tokens arrive while the rest are still being decoded.
+assert times[0] < 0.5 * times[-1], f"first token at {times[0]:.3f}s, last at {times[-1]:.3f}s"
+print(f"streamed {LONG} tokens in {len(times)} chunks: first {times[0]:.3f}s, last {times[-1]:.3f}s")
+
+# A stop string that spans tokens: its text is held back, never sent, and the chunks add
+# up to the non-streamed text cut before it.
+pieces = client.completions.create(
+    model=MODEL, prompt=long_prompt, max_tokens=LONG, seed=seed
+).choices[0].logprobs.tokens
+
+
+def plain(piece):
+    return piece.isascii() and piece.isprintable() and piece.strip() != ""
+
+
+# Two neighbouring tokens of plain text (the embedded model's random weights also emit
+# bytes that are no UTF-8): the stop string is their text, so it spans both.
+i = next(i for i in range(len(pieces) // 3, len(pieces) - 1) if plain(pieces[i]) and plain(pieces[i + 1]))
+stop = pieces[i] + pieces[i + 1]
+cut = whole_completion(long_prompt, seed, LONG, stop=[stop])
+s_cut = streamed_completion(long_prompt, seed, LONG, stop=[stop])
+assert s_cut[:4] == cut[:4], (s_cut[2], cut[2], stop)
+assert cut[3] == "stop" and stop not in cut[2], (cut, stop)
+
+# Streams batched with other clients' requests on the engine: each is its own.
+def check_stream(seed):
+    whole = whole_completion(long_prompt, seed, 32)
+    streamed = streamed_completion(long_prompt, seed, 32)
+    assert streamed[:4] == whole[:4], (seed, streamed[2], whole[2])
+
+with concurrent.futures.ThreadPoolExecutor(4) as pool:
+    list(pool.map(check_stream, range(8)))
 
 # A multi-turn tool-call episode renders through the chat template.
 tools = [

@@ -2,6 +2,7 @@
 
 pub mod bench;
 pub mod data;
+pub mod env;
 pub mod eval;
 pub mod export;
 pub mod keys;
