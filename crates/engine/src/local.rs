@@ -410,7 +410,7 @@ impl<B: Backend> LocalEngine<B> {
     /// backend keeps no state between ops (both threads share rayon's pool), for a
     /// full-weight policy of one rank. Elsewhere it runs them one after the other: CUDA
     /// has one stream and one cuBLAS handle for every call (a sampling stream is the
-    /// missing piece, `docs/ARCHITECTURE.md`), a LoRA policy's adapters are not in the
+    /// missing piece, `docs/async-pipeline.md`), a LoRA policy's adapters are not in the
     /// shared handle, and a data-parallel rank keeps its collectives on one thread.
     fn overlaps_sampling(&self) -> bool {
         self.options.device == Device::Cpu
