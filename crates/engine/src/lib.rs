@@ -114,6 +114,6 @@ pub use sampler::{
 };
 pub use stop::{Stop, StopConditions, StopReason};
 pub use verbs::{
-    Engine, EngineInfo, ForwardBackwardOutput, Loss, SequenceGroup, TokenOutputs, TrainGroup,
-    TrainResponse, Weights,
+    one_after_the_other, Engine, EngineInfo, ForwardBackwardOutput, Loss, SamplingSide,
+    SequenceGroup, TokenOutputs, TrainGroup, TrainResponse, TrainingSide, Weights,
 };

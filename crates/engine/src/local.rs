@@ -45,9 +45,11 @@ use crate::policy::{
     is_lora_state, OptimParams, OptimizerPlacement, Policy, StepOutcome, ADAPTER_DIR, MODEL_DIR,
 };
 use crate::sampler::{Generation, SampleError, SampleEvent, SampleRequest, Sampler, SamplerConfig};
+// The two sides are named by path: in scope, their methods would clash with the
+// `Engine` verbs they forward to.
 use crate::verbs::{
-    Engine, EngineInfo, ForwardBackwardOutput, Loss, SequenceGroup, TokenOutputs, TrainGroup,
-    Weights,
+    self, one_after_the_other, Engine, EngineInfo, ForwardBackwardOutput, Loss, SequenceGroup,
+    TokenOutputs, TrainGroup, Weights,
 };
 
 /// Sub-folder of a saved engine state holding the frozen reference model.
@@ -288,7 +290,8 @@ pub struct LocalEngine<B: Backend> {
     options: LocalEngineOptions,
     policy: Policy<B>,
     reference: Option<Transformer<B>>,
-    sampler: Sampler<Transformer<B>>,
+    /// `None` only while [`Engine::overlap`] lends it to its sampling thread.
+    sampler: Option<Sampler<Transformer<B>>>,
     sampler_config: SamplerConfig,
     tokenizer: Option<Arc<Tokenizer>>,
     plan: MemoryPlan,
@@ -374,7 +377,7 @@ impl<B: Backend> LocalEngine<B> {
             options,
             policy,
             reference: None,
-            sampler,
+            sampler: Some(sampler),
             sampler_config,
             tokenizer,
             plan,
@@ -403,28 +406,16 @@ impl<B: Backend> LocalEngine<B> {
         &self.options
     }
 
-    /// Queues `requests` on the sampler and runs it with `run`; after a failure the
-    /// sampler is rebuilt, so what the failed call left queued never reaches the next.
-    fn run_sampler(
-        &mut self,
-        requests: Vec<SampleRequest>,
-        run: impl FnOnce(
-            &mut Sampler<Transformer<B>>,
-            &Transformer<B>,
-        ) -> std::result::Result<(), SampleError>,
-    ) -> Result<()> {
-        let model = self.policy.model();
-        let mut result = requests
-            .into_iter()
-            .try_for_each(|request| self.sampler.submit(request));
-        if result.is_ok() {
-            result = run(&mut self.sampler, model);
-        }
-        if let Err(err) = result {
-            self.sampler = new_sampler(model, &self.sampler_config, &self.tokenizer)?;
-            return Err(err.into());
-        }
-        Ok(())
+    /// Whether [`Engine::overlap`] runs its sides on two threads: on the CPU, whose
+    /// backend keeps no state between ops (both threads share rayon's pool), for a
+    /// full-weight policy of one rank. Elsewhere it runs them one after the other: CUDA
+    /// has one stream and one cuBLAS handle for every call (a sampling stream is the
+    /// missing piece, `docs/async-pipeline.md`), a LoRA policy's adapters are not in the
+    /// shared handle, and a data-parallel rank keeps its collectives on one thread.
+    fn overlaps_sampling(&self) -> bool {
+        self.options.device == Device::Cpu
+            && self.policy.model().lora_config().is_none()
+            && self.data_parallel.is_none()
     }
 
     fn packing(&self) -> PackingConfig {
@@ -442,7 +433,7 @@ impl<B: Backend> LocalEngine<B> {
             num_blocks: 1,
             ..SamplerConfig::default()
         };
-        self.sampler = new_sampler(model, &smallest, &None)?;
+        self.sampler = Some(new_sampler(model, &smallest, &None)?);
         let plan = memory_plan(
             &**model.backend(),
             model.config(),
@@ -454,7 +445,7 @@ impl<B: Backend> LocalEngine<B> {
                 .map_or(0, Reservation::reserved_by_others),
         );
         self.sampler_config = sampler_config(model, &self.options, &plan);
-        self.sampler = new_sampler(model, &self.sampler_config, &self.tokenizer)?;
+        self.sampler = Some(new_sampler(model, &self.sampler_config, &self.tokenizer)?);
         self.policy.set_recomputed_layers(plan.recomputed_layers);
         self.info = engine_info(self.policy.model(), &self.options, &self.sampler_config);
         Ok(())
@@ -655,7 +646,16 @@ impl<B: Backend> Engine for LocalEngine<B> {
         requests: Vec<SampleRequest>,
         on_generation: &mut dyn FnMut(Generation),
     ) -> Result<()> {
-        self.run_sampler(requests, |sampler, model| sampler.run(model, on_generation))
+        let mut view = SamplingView {
+            sampler: self
+                .sampler
+                .as_mut()
+                .expect("the sampler is lent out only inside overlap"),
+            model: self.policy.model(),
+            config: &self.sampler_config,
+            tokenizer: &self.tokenizer,
+        };
+        verbs::SamplingSide::sample(&mut view, requests, on_generation)
     }
 
     fn sample_streaming(
@@ -663,9 +663,56 @@ impl<B: Backend> Engine for LocalEngine<B> {
         requests: Vec<SampleRequest>,
         on_event: &mut dyn FnMut(SampleEvent<'_>),
     ) -> Result<()> {
-        self.run_sampler(requests, |sampler, model| {
+        let mut view = SamplingView {
+            sampler: self
+                .sampler
+                .as_mut()
+                .expect("the sampler is lent out only inside overlap"),
+            model: self.policy.model(),
+            config: &self.sampler_config,
+            tokenizer: &self.tokenizer,
+        };
+        view.run(requests, |sampler, model| {
             sampler.run_streaming(model, on_event)
         })
+    }
+
+    /// On two threads when [`LocalEngine::overlaps_sampling`]: the sampler generates from
+    /// a second handle on the policy's weight buffers ([`Transformer::share_base`], no
+    /// copy) while `training` runs on this thread. The handle is dropped before this
+    /// returns; while it lives, the weights could not be changed even by mistake (a
+    /// full-weight optimizer step on shared weights fails).
+    fn overlap<RS: Send, RT>(
+        &mut self,
+        sampling: impl FnOnce(&mut dyn verbs::SamplingSide<Error = Error>) -> RS + Send,
+        training: impl FnOnce(&mut dyn verbs::TrainingSide<Error = Error>) -> RT,
+    ) -> Result<(RS, RT)> {
+        if !self.overlaps_sampling() {
+            return Ok(one_after_the_other(self, sampling, training));
+        }
+        let weights = self.policy.model().share_base()?;
+        let mut sampler = self
+            .sampler
+            .take()
+            .expect("the sampler is lent out only inside overlap");
+        let (config, tokenizer) = (self.sampler_config.clone(), self.tokenizer.clone());
+        let (sampled, trained) = std::thread::scope(|scope| {
+            let sampling_thread = scope.spawn(|| {
+                let mut side = SamplingView {
+                    sampler: &mut sampler,
+                    model: &weights,
+                    config: &config,
+                    tokenizer: &tokenizer,
+                };
+                sampling(&mut side)
+            });
+            let trained = training(self);
+            (sampling_thread.join(), trained)
+        });
+        drop(weights);
+        self.sampler = Some(sampler);
+        let sampled = sampled.unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+        Ok((sampled, trained))
     }
 
     fn forward(
@@ -1030,6 +1077,14 @@ impl Engine for AnyLocalEngine {
         dispatch!(self, e => e.load_state(dir))
     }
 
+    fn overlap<RS: Send, RT>(
+        &mut self,
+        sampling: impl FnOnce(&mut dyn verbs::SamplingSide<Error = Error>) -> RS + Send,
+        training: impl FnOnce(&mut dyn verbs::TrainingSide<Error = Error>) -> RT,
+    ) -> Result<(RS, RT)> {
+        dispatch!(self, e => e.overlap(sampling, training))
+    }
+
     fn export_hf(&mut self, dir: &Path) -> Result<()> {
         dispatch!(self, e => e.export_hf(dir))
     }
@@ -1228,6 +1283,52 @@ fn sampler_config<B: Backend>(
         max_tokens_per_step: options.max_tokens_per_step.max(1),
         max_running_seqs: options.max_running_seqs.max(1),
         seed: options.seed,
+    }
+}
+
+/// The sampler over a model: the engine's own for [`Engine::sample`], or over the shared
+/// handle on its weights on [`Engine::overlap`]'s sampling thread.
+struct SamplingView<'a, B: Backend> {
+    sampler: &'a mut Sampler<Transformer<B>>,
+    model: &'a Transformer<B>,
+    config: &'a SamplerConfig,
+    tokenizer: &'a Option<Arc<Tokenizer>>,
+}
+
+impl<B: Backend> verbs::SamplingSide for SamplingView<'_, B> {
+    type Error = Error;
+
+    fn sample(
+        &mut self,
+        requests: Vec<SampleRequest>,
+        on_generation: &mut dyn FnMut(Generation),
+    ) -> Result<()> {
+        self.run(requests, |sampler, model| sampler.run(model, on_generation))
+    }
+}
+
+impl<B: Backend> SamplingView<'_, B> {
+    /// Queues `requests` on the sampler and runs it with `run`; after a failure the
+    /// sampler is rebuilt, so what the failed call left queued never reaches the next.
+    fn run(
+        &mut self,
+        requests: Vec<SampleRequest>,
+        run: impl FnOnce(
+            &mut Sampler<Transformer<B>>,
+            &Transformer<B>,
+        ) -> std::result::Result<(), SampleError>,
+    ) -> Result<()> {
+        let mut result = requests
+            .into_iter()
+            .try_for_each(|request| self.sampler.submit(request));
+        if result.is_ok() {
+            result = run(self.sampler, self.model);
+        }
+        if let Err(err) = result {
+            *self.sampler = new_sampler(self.model, self.config, self.tokenizer)?;
+            return Err(err.into());
+        }
+        Ok(())
     }
 }
 

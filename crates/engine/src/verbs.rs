@@ -200,4 +200,102 @@ pub trait Engine {
     fn load_state(&mut self, dir: &Path) -> Result<(), Self::Error>;
     /// Writes the weights as a Hugging Face folder that transformers loads.
     fn export_hf(&mut self, dir: &Path) -> Result<(), Self::Error>;
+
+    /// Runs `sampling` (generation) beside `training` (forwards and backwards), both on
+    /// the current weights, and returns what each returned. Neither side can change the
+    /// weights (each gets only its verbs), so every sample and every gradient of the call
+    /// comes from one policy version; the caller's next `optim_step` comes after both.
+    /// Results equal those of running the two sides one after the other, which is what
+    /// this default does; the local engine on the CPU runs them on two threads.
+    fn overlap<RS: Send, RT>(
+        &mut self,
+        sampling: impl FnOnce(&mut dyn SamplingSide<Error = Self::Error>) -> RS + Send,
+        training: impl FnOnce(&mut dyn TrainingSide<Error = Self::Error>) -> RT,
+    ) -> Result<(RS, RT), Self::Error>
+    where
+        Self: Sized,
+    {
+        Ok(one_after_the_other(self, sampling, training))
+    }
+}
+
+/// The sampling verb alone: the side of [`Engine::overlap`] that generates.
+pub trait SamplingSide {
+    /// The error of the verb.
+    type Error: std::error::Error + Send + Sync + 'static;
+
+    /// [`Engine::sample`].
+    fn sample(
+        &mut self,
+        requests: Vec<SampleRequest>,
+        on_generation: &mut dyn FnMut(Generation),
+    ) -> Result<(), Self::Error>;
+}
+
+/// The verbs that read the policy's weights without changing them: the side of
+/// [`Engine::overlap`] that trains (gradients accumulate; no optimizer step).
+pub trait TrainingSide {
+    /// The error of the verbs.
+    type Error: std::error::Error + Send + Sync + 'static;
+
+    /// [`Engine::forward`].
+    fn forward(
+        &mut self,
+        groups: &[SequenceGroup],
+        weights: Weights,
+        temperature: f32,
+    ) -> Result<Vec<Vec<TokenOutputs>>, Self::Error>;
+
+    /// [`Engine::forward_backward`].
+    fn forward_backward(
+        &mut self,
+        groups: &[TrainGroup],
+        loss: &Loss,
+        temperature: f32,
+    ) -> Result<ForwardBackwardOutput, Self::Error>;
+}
+
+impl<E: Engine> SamplingSide for E {
+    type Error = E::Error;
+
+    fn sample(
+        &mut self,
+        requests: Vec<SampleRequest>,
+        on_generation: &mut dyn FnMut(Generation),
+    ) -> Result<(), E::Error> {
+        Engine::sample(self, requests, on_generation)
+    }
+}
+
+impl<E: Engine> TrainingSide for E {
+    type Error = E::Error;
+
+    fn forward(
+        &mut self,
+        groups: &[SequenceGroup],
+        weights: Weights,
+        temperature: f32,
+    ) -> Result<Vec<Vec<TokenOutputs>>, E::Error> {
+        Engine::forward(self, groups, weights, temperature)
+    }
+
+    fn forward_backward(
+        &mut self,
+        groups: &[TrainGroup],
+        loss: &Loss,
+        temperature: f32,
+    ) -> Result<ForwardBackwardOutput, E::Error> {
+        Engine::forward_backward(self, groups, loss, temperature)
+    }
+}
+
+/// [`Engine::overlap`] without overlap: `sampling`, then `training`, on `engine`.
+pub fn one_after_the_other<E: Engine, RS, RT>(
+    engine: &mut E,
+    sampling: impl FnOnce(&mut dyn SamplingSide<Error = E::Error>) -> RS,
+    training: impl FnOnce(&mut dyn TrainingSide<Error = E::Error>) -> RT,
+) -> (RS, RT) {
+    let sampled = sampling(engine);
+    let trained = training(engine);
+    (sampled, trained)
 }

@@ -346,3 +346,71 @@ fn an_unavailable_cuda_device_is_a_clear_error() {
         assert!(err.to_string().starts_with("device `cuda:0`: "), "{err}");
     }
 }
+
+/// Requests of two prompts, two samples each, seeded.
+fn sample_requests() -> Vec<SampleRequest> {
+    [tokens(1, 7), tokens(2, 20)]
+        .into_iter()
+        .enumerate()
+        .map(|(id, prompt)| SampleRequest {
+            id: id as u64,
+            prompt,
+            n: 2,
+            params: SamplingParams {
+                temperature: 1.0,
+                max_new_tokens: 10,
+                seed: Some(9),
+                ..SamplingParams::default()
+            },
+        })
+        .collect()
+}
+
+#[test]
+fn overlap_samples_and_trains_as_the_verbs_do_one_after_the_other() {
+    let groups = sequence_groups();
+    // One after the other, through the plain verbs.
+    let mut apart = engine(4096, 3);
+    let mut sampled_apart = Vec::new();
+    apart
+        .sample(sample_requests(), &mut |g| {
+            sampled_apart.push((g.request_id, g.sample_index, g.tokens, g.logprobs))
+        })
+        .unwrap();
+    let scored_apart = apart.forward(&groups, Weights::Policy, 1.0).unwrap();
+    let train = train_groups(&groups, &scored_apart);
+    let loss_apart = apart.forward_backward(&train, &policy_loss(), 1.0).unwrap();
+    apart.optim_step(&OPTIM).unwrap();
+
+    // Overlapped: sampling on its thread, the forward and backward on this one.
+    let mut together = engine(4096, 3);
+    let (sampled, (scored, loss)) = together
+        .overlap(
+            |sampler| {
+                let mut sampled = Vec::new();
+                sampler
+                    .sample(sample_requests(), &mut |g| {
+                        sampled.push((g.request_id, g.sample_index, g.tokens, g.logprobs))
+                    })
+                    .map(|()| sampled)
+            },
+            |trainer| {
+                let scored = trainer.forward(&groups, Weights::Policy, 1.0).unwrap();
+                let train = train_groups(&groups, &scored);
+                let loss = trainer.forward_backward(&train, &policy_loss(), 1.0);
+                (scored, loss.unwrap())
+            },
+        )
+        .unwrap();
+    let mut sampled = sampled.unwrap();
+    sampled.sort_by_key(|s| (s.0, s.1));
+    sampled_apart.sort_by_key(|s| (s.0, s.1));
+    assert_eq!(sampled, sampled_apart);
+    assert_eq!(scored, scored_apart);
+    assert_eq!(loss, loss_apart);
+    // The weights are the engine's own again: the optimizer step applies, and equally.
+    assert!(!together.optim_step(&OPTIM).unwrap().skipped);
+    assert_eq!(weights(&together), weights(&apart));
+    // The sampler came back: a plain sample call works after the overlap.
+    together.sample(sample_requests(), &mut |_| {}).unwrap();
+}

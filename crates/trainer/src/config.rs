@@ -152,6 +152,8 @@ pub struct TrainerConfig {
     pub policy: PolicyConfig,
     /// `[trainer.algorithm]`: advantage estimator, policy loss, KL and loss reduction.
     pub algorithm: AlgorithmConfig,
+    /// `[trainer.pipeline]`: whether the next batch's generation overlaps training.
+    pub pipeline: PipelineConfig,
 }
 
 impl Default for TrainerConfig {
@@ -177,8 +179,36 @@ impl Default for TrainerConfig {
             logger: vec![Logger::Console, Logger::Tensorboard],
             policy: PolicyConfig::default(),
             algorithm: AlgorithmConfig::default(),
+            pipeline: PipelineConfig::default(),
         }
     }
+}
+
+/// `[trainer.pipeline]`: how generation and training are scheduled
+/// (`docs/ARCHITECTURE.md`, "The async pipeline").
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PipelineConfig {
+    /// `sync` or `one_step_off`.
+    pub mode: PipelineMode,
+    /// Samples more than this many policy versions (RL optimizer steps) older than the
+    /// weights a mini-batch would train are dropped from it, and counted
+    /// (`async/dropped_stale`); unset keeps every sample.
+    pub max_staleness: Option<u64>,
+}
+
+/// `trainer.pipeline.mode`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PipelineMode {
+    /// Sample, score, then train, one after the other; every sample is on-policy for the
+    /// step's first optimizer step.
+    #[default]
+    Sync,
+    /// Step k trains on the batch sampled during step k - 1, while the batch of step
+    /// k + 1 is sampled with the same weights step k's forwards and backwards read: one
+    /// step's optimizer steps stale.
+    OneStepOff,
 }
 
 /// Where a run resumes from (`trainer.resume`).
@@ -768,6 +798,7 @@ impl Config {
         self.check_schedule(&mut problems);
         self.check_optimizer(&mut problems);
         self.check_engine(&mut problems);
+        self.check_pipeline(&mut problems);
         if let Some(context) = self.model_context_length(&mut problems) {
             self.check_context(context, &mut problems);
         }
@@ -1152,6 +1183,43 @@ impl Config {
                 "{key}.max_grad_norm is {}; it must be a positive number",
                 o.max_grad_norm
             ));
+        }
+    }
+
+    fn check_pipeline(&self, problems: &mut Vec<String>) {
+        let t = &self.trainer;
+        if t.pipeline.mode != PipelineMode::OneStepOff {
+            return;
+        }
+        if t.algorithm.off_policy_correction.is_enabled()
+            && self.generator.sampling_params.logprobs == 0
+        {
+            problems.push(
+                "trainer.algorithm.off_policy_correction is set with trainer.pipeline.mode = \
+                 \"one_step_off\" but generator.sampling_params.logprobs = 0: the correction \
+                 weighs stale samples by the sampler's log-probs (the behaviour policy), so set \
+                 generator.sampling_params.logprobs = 1"
+                    .into(),
+            );
+        }
+        if let Some(max) = t.pipeline.max_staleness {
+            // A one-step-off batch is a whole step's optimizer steps old at its first
+            // mini-batch.
+            let steps_per_batch = floe_rl::optim::num_optimizer_steps(
+                1,
+                t.train_batch_size as u64,
+                t.policy_mini_batch_size as u64,
+                t.update_epochs_per_batch as u64,
+            );
+            if max < steps_per_batch {
+                problems.push(format!(
+                    "trainer.pipeline.max_staleness is {max}, but with trainer.pipeline.mode = \
+                     \"one_step_off\" every batch is {steps_per_batch} policy versions old when \
+                     it starts training (train_batch_size / policy_mini_batch_size × \
+                     update_epochs_per_batch optimizer steps), so every sample would be \
+                     dropped; allow at least {steps_per_batch}"
+                ));
+            }
         }
     }
 

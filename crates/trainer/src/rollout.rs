@@ -21,7 +21,7 @@ use floe_model::tokenizer::Tokenizer;
 use crate::config::RecipeSamplingParams;
 use crate::data::{render_messages, Prompt};
 use crate::error::{Error, Result};
-use floe_engine::Engine;
+use floe_engine::SamplingSide;
 
 /// The conversation the fixed-base trick renders observations after (SkyRL's).
 const BASE_CONVERSATION: [(&str, &str); 2] = [
@@ -107,6 +107,9 @@ pub struct Trajectory {
     /// Whether the last model turn stopped at its token limit rather than at a stop token
     /// or string (what DAPO's overlong filtering drops).
     pub truncated: bool,
+    /// The policy version (RL optimizer steps taken) of the weights that sampled it; the
+    /// RL step that samples it sets it (0 from [`Rollouts::run`] alone).
+    pub policy_version: u64,
 }
 
 /// Seconds spent generating and then waiting on scoring that had not overlapped.
@@ -155,9 +158,9 @@ impl Rollouts {
 
     /// Samples `n` trajectories of every prompt and scores them; output is ordered by
     /// (prompt, sample). `seed` keys this rollout (e.g. derived from run seed and step).
-    pub fn run<E: Engine>(
+    pub fn run<S: SamplingSide + ?Sized>(
         &mut self,
-        engine: &mut E,
+        engine: &mut S,
         prompts: &[&Prompt],
         n: usize,
         params: &EngineSamplingParams,
@@ -300,6 +303,7 @@ impl Rollouts {
                 env_class,
                 turns: 0,
                 truncated: false,
+                policy_version: 0,
             },
             turn_metrics: Vec::new(),
             done: false,

@@ -7,6 +7,7 @@
 //! Shapes in names: `_s` per sequence (trajectory), `_t` per response token of the batch
 //! (sequences end to end), `_g` per group (prompt).
 
+mod pipeline;
 mod step;
 
 use std::collections::BTreeMap;
@@ -39,7 +40,7 @@ use crate::setup::{
 };
 use crate::sft::{run_sft, sft_examples};
 use floe_engine::{AnyLocalEngine, Engine};
-use step::{uses_reference, StepSettings};
+use step::{uses_reference, SampledBatch, StepSettings};
 
 /// Eval generations per eval copied into `samples.jsonl` for the report.
 const REPORT_SAMPLES_PER_EVAL: usize = 6;
@@ -378,6 +379,8 @@ struct Run<'a, E: Engine> {
     /// Disk bytes of one checkpoint of a local engine, checked before each is written
     /// (`None` for a remote engine, whose state stays on its server).
     checkpoint_bytes: Option<u64>,
+    /// One-step-off: the next step's batch, sampled during the last step.
+    pending: Option<SampledBatch>,
 }
 
 impl<'a, E: Engine> Run<'a, E> {
@@ -436,6 +439,7 @@ impl<'a, E: Engine> Run<'a, E> {
                 Some(_) => None,
                 None => Some(checkpoint_bytes(config)?),
             },
+            pending: None,
         })
     }
 
@@ -518,7 +522,16 @@ impl<'a, E: Engine> Run<'a, E> {
             if let Some(bytes) = self.checkpoint_bytes {
                 check_checkpoint_space(self.config, bytes)?;
             }
-            save_checkpoint(self.engine, &t.run_dir, &self.state, t.max_ckpts_to_keep)?;
+            // A batch sampled for the next step is not saved: the checkpoint's cursor
+            // stands before it, so a resume samples those prompts again, with these weights.
+            let state = match &self.pending {
+                Some(next) => TrainerState {
+                    data_cursor: next.cursor_before.clone(),
+                    ..self.state.clone()
+                },
+                None => self.state.clone(),
+            };
+            save_checkpoint(self.engine, &t.run_dir, &state, t.max_ckpts_to_keep)?;
         }
         Ok(())
     }

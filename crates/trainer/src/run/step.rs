@@ -7,8 +7,10 @@ use std::time::Instant;
 
 use floe_engine::policy::OptimParams;
 use floe_engine::{
-    Engine, Loss, SamplingParams, SequenceGroup, TokenOutputs, TrainGroup, TrainResponse, Weights,
+    Engine, ForwardBackwardOutput, Loss, SamplingParams, SamplingSide, SequenceGroup, TokenOutputs,
+    TrainGroup, TrainResponse, TrainingSide, Weights,
 };
+use floe_env::dataset::DataCursor;
 use floe_env::env::aggregate_metrics_by_env;
 use floe_model::tokenizer::Tokenizer;
 use floe_rl::advantage::zero_variance_sequences;
@@ -19,11 +21,12 @@ use floe_rl::metrics::{names, response_length_metrics, reward_metrics};
 use floe_rl::optim::{lr_at, num_optimizer_steps, LrScheduleKind};
 use floe_rl::{compute_advantages, AdvantageInputs, AlgorithmConfig};
 
-use super::Run;
-use crate::config::{Config, Scheduler};
+use super::pipeline::{overlap_metrics, too_stale, Span, Staleness};
+use super::{Run, RunPrompts};
+use crate::config::{Config, PipelineConfig, PipelineMode, Scheduler};
 use crate::data::{next_batch, Prompt};
 use crate::error::{Error, Result};
-use crate::rollout::{derive_seed, engine_sampling_params, RolloutTiming, Trajectory};
+use crate::rollout::{derive_seed, engine_sampling_params, RolloutTiming, Rollouts, Trajectory};
 
 /// Stream of training sampling seeds.
 const TRAIN_SEED_STREAM: u64 = 0x7A1;
@@ -90,8 +93,6 @@ impl StepSettings {
 }
 
 /// The engine's per-token outputs of each response of each group.
-type GroupOutputs = Vec<Vec<TokenOutputs>>;
-
 /// The per-sequence facts of a batch's trajectories that the step's stages share.
 struct Sequences {
     /// Each trajectory's reward.
@@ -114,72 +115,128 @@ impl Sequences {
 }
 
 impl<E: Engine> Run<'_, E> {
-    /// RL step `step` on the data cursor's next batch; returns its metrics. Moves the data
-    /// cursor, the optimiser step count and the KL coefficient of the trainer state, and
-    /// sets its step.
+    /// RL step `step`; returns its metrics. Moves the data cursor, the optimiser step
+    /// count and the KL coefficient of the trainer state, and sets its step.
+    ///
+    /// Sync: samples the cursor's next batch, then trains on it. One-step-off: trains on
+    /// the batch sampled during the last step (the first step, and the first after a
+    /// resume, sample their own first), while the next step's batch is sampled beside the
+    /// forwards and the first backward ([`Engine::overlap`]); the first optimizer step
+    /// waits for that sampling to finish.
     pub(super) fn rl_step(&mut self, step: u64) -> Result<BTreeMap<String, f64>> {
         let step_start = Instant::now();
-        let t = &self.config.trainer;
+        let pipeline = &self.config.trainer.pipeline;
+        let report_pipeline = *pipeline != PipelineConfig::default();
+        let sample_next = pipeline.mode == PipelineMode::OneStepOff && step < self.total_steps;
 
         // 1. Rollouts, scored as they finish, shaped for length, and (dynamic sampling)
         //    filtered for groups with a learning signal.
+        let batch = match self.pending.take() {
+            Some(batch) => batch,
+            None => self.sample_now(step)?,
+        };
         let SampledBatch {
             trajs,
             num_prompts,
             timing: rollout_timing,
             mut metrics,
-        } = self.sample_batch(step)?;
-        let sequences = Sequences::of(&trajs);
+            policy_version,
+            epoch,
+            ..
+        } = batch;
+        let mut staleness = Staleness::default();
+        let first_trains = !too_stale(
+            policy_version,
+            self.state.optimizer_steps,
+            pipeline.max_staleness,
+        );
 
         if num_prompts > 0 {
-            // 2. Old (and reference) log-probs of the sampled responses under the current
-            //    weights.
-            let start = Instant::now();
-            let groups_g = sequence_groups(&trajs, num_prompts)?;
-            let (old_g, ref_g) = self.response_logprobs(&groups_g)?;
-            metrics.insert("timing/fwd_logprobs".into(), start.elapsed().as_secs_f64());
-            // Trajectories are ordered (prompt, sample), the same order as the flattened
-            // groups.
-            let old_logprobs_t = flat_logprobs(&old_g);
-            metrics.extend(rollout_train_logprob_diff(&trajs, &old_logprobs_t));
-            let ref_logprobs_t = ref_g.as_deref().map(flat_logprobs);
-
-            // 3. Rewards (optionally KL-penalised) → advantages.
-            let advantages = advantages(
-                &t.algorithm,
+            // 2. Old (and reference) log-probs under the current weights → rewards
+            //    (optionally KL-penalised) → advantages → the first mini-batch's forward and
+            //    backward: reads of the weights only, beside the next batch's sampling.
+            let algorithm = &self.config.trainer.algorithm;
+            let mini_batch_size = self.config.trainer.policy_mini_batch_size;
+            let (kl, temperature, policy_loss) = (
                 &mut self.step_settings.kl,
-                &trajs,
-                &sequences,
-                &old_logprobs_t,
-                ref_logprobs_t.as_deref(),
+                self.step_settings.temperature,
+                &self.step_settings.policy_loss,
             );
-            metrics.extend(advantages.metrics);
+            let mut prepare = |trainer: &mut dyn TrainingSide<Error = E::Error>| {
+                let start = Instant::now();
+                let prepared = prepare_update(
+                    trainer,
+                    &UpdateInputs {
+                        algorithm,
+                        temperature,
+                        policy_loss,
+                        mini_batch_size,
+                        first_trains,
+                    },
+                    kl,
+                    &trajs,
+                    num_prompts,
+                );
+                (prepared, Span::since(start))
+            };
+            let (prepared, next) = if sample_next {
+                let sampler = BatchSampler {
+                    config: self.config,
+                    prompts: self.prompts,
+                    rollouts: &mut self.rollouts,
+                    cursor: &mut self.state.data_cursor,
+                    sampling: &self.step_settings.sampling,
+                    policy_version: self.state.optimizer_steps,
+                };
+                let sample = |engine: &mut dyn SamplingSide<Error = E::Error>| {
+                    let start = Instant::now();
+                    (sampler.sample(engine, step + 1), Span::since(start))
+                };
+                let ((next, sampling), (prepared, training)) = self
+                    .engine
+                    .overlap(sample, prepare)
+                    .map_err(Error::verb("overlap"))?;
+                metrics.extend(overlap_metrics(sampling, training));
+                (prepared, Some(next?))
+            } else {
+                (prepare(&mut *self.engine).0, None)
+            };
+            let prepared = prepared?;
+            metrics.extend(prepared.metrics);
 
-            // 4. Policy update: mini-batches of prompts × PPO epochs, one optimiser step each.
+            // 3. Policy update: mini-batches of prompts × PPO epochs, one optimiser step each.
             let start = Instant::now();
-            let train_g = train_groups(
-                &trajs,
-                &groups_g,
-                &TokenInputs {
-                    loss_mask: &advantages.loss_mask_t,
-                    advantages: &advantages.advantages_t,
-                    old_logprobs: &old_logprobs_t,
-                    ref_logprobs: ref_logprobs_t
-                        .as_deref()
-                        .filter(|_| t.algorithm.use_kl_loss),
-                },
+            let update = self.update_policy(
+                &prepared.train_g,
+                policy_version,
+                prepared.first,
+                &mut staleness,
+            )?;
+            metrics.extend(update);
+            metrics.insert(
+                "timing/train".into(),
+                prepared.first_seconds + start.elapsed().as_secs_f64(),
             );
-            metrics.extend(self.update_policy(&train_g)?);
-            metrics.insert("timing/train".into(), start.elapsed().as_secs_f64());
+            self.pending = next;
         } else {
             tracing::warn!(
                 "step {step}: every group of {} sampled batches had equal rewards; no update \
                  (trainer.algorithm.dynamic_sampling.max_sample_batches caps the batches)",
-                t.algorithm.dynamic_sampling.max_sample_batches
+                self.config
+                    .trainer
+                    .algorithm
+                    .dynamic_sampling
+                    .max_sample_batches
             );
+            if sample_next {
+                self.pending = Some(self.sample_now(step + 1)?);
+            }
+        }
+        if report_pipeline {
+            metrics.extend(staleness.metrics());
         }
 
-        // 5. The sampler uses the new weights from the next rollout on.
+        // 4. The sampler uses the new weights from the next rollout on.
         let start = Instant::now();
         self.engine
             .sync_sampler_weights()
@@ -188,12 +245,112 @@ impl<E: Engine> Run<'_, E> {
         metrics.insert("timing/generate".into(), rollout_timing.generate);
         metrics.insert("timing/score".into(), rollout_timing.score);
         metrics.insert("timing/step".into(), step_start.elapsed().as_secs_f64());
-        metrics.insert("trainer/epoch".into(), self.state.data_cursor.epoch as f64);
+        metrics.insert("trainer/epoch".into(), epoch as f64);
         self.state.global_step = step;
         self.state.kl_coef = self.step_settings.kl.coef;
         Ok(metrics)
     }
 
+    /// The batch of step `step`, sampled now by the current weights.
+    fn sample_now(&mut self, step: u64) -> Result<SampledBatch> {
+        BatchSampler {
+            config: self.config,
+            prompts: self.prompts,
+            rollouts: &mut self.rollouts,
+            cursor: &mut self.state.data_cursor,
+            sampling: &self.step_settings.sampling,
+            policy_version: self.state.optimizer_steps,
+        }
+        .sample(&mut *self.engine, step)
+    }
+
+    /// `trainer.update_epochs_per_batch` passes over mini-batches of
+    /// `trainer.policy_mini_batch_size` prompts: forward and backward, then one optimiser
+    /// step at the schedule's learning rate each. `first` is the first mini-batch's forward
+    /// and backward when it already ran. A mini-batch whose samples are more than
+    /// `trainer.pipeline.max_staleness` versions older than the weights is left out (and
+    /// so are the later ones, which are older still). Returns the mini-batches' mean
+    /// metrics.
+    fn update_policy(
+        &mut self,
+        train_g: &[TrainGroup],
+        policy_version: u64,
+        mut first: Option<ForwardBackwardOutput>,
+        staleness: &mut Staleness,
+    ) -> Result<BTreeMap<String, f64>> {
+        let t = &self.config.trainer;
+        let opt = &t.policy.optimizer_config;
+        let settings = &self.step_settings;
+        let mut update_metrics: Vec<BTreeMap<String, f64>> = Vec::new();
+        let mini_batches = (0..t.update_epochs_per_batch)
+            .flat_map(|_| train_g.chunks(t.policy_mini_batch_size))
+            .enumerate();
+        for (i, mini_batch) in mini_batches {
+            let samples = mini_batch.iter().map(|g| g.responses.len()).sum();
+            let trains = staleness.admit(
+                samples,
+                policy_version,
+                self.state.optimizer_steps,
+                t.pipeline.max_staleness,
+            );
+            if !trains {
+                continue;
+            }
+            let out = match first.take().filter(|_| i == 0) {
+                Some(out) => out,
+                None => self
+                    .engine
+                    .forward_backward(mini_batch, &settings.policy_loss, settings.temperature)
+                    .map_err(Error::verb("forward_backward"))?,
+            };
+            let lr = lr_at(
+                self.state.optimizer_steps,
+                settings.schedule,
+                opt.lr,
+                opt.num_warmup_steps,
+                settings.total_optimizer_steps,
+            );
+            let outcome = self
+                .engine
+                .optim_step(&OptimParams {
+                    lr: lr as f32,
+                    beta1: opt.betas[0] as f32,
+                    beta2: opt.betas[1] as f32,
+                    eps: opt.eps as f32,
+                    weight_decay: opt.weight_decay as f32,
+                    max_grad_norm: opt.max_grad_norm as f32,
+                })
+                .map_err(Error::verb("optim_step"))?;
+            // A skipped (non-finite) step advances neither the optimiser nor the schedule.
+            if !outcome.skipped {
+                self.state.optimizer_steps += 1;
+            }
+            let mut m = out.metrics;
+            m.insert(names::POLICY_FINAL_LOSS.into(), out.loss);
+            m.insert(names::POLICY_GRAD_NORM.into(), outcome.grad_norm);
+            m.insert(names::POLICY_LR.into(), lr);
+            m.insert(
+                "policy/skipped_steps".into(),
+                f64::from(u8::from(outcome.skipped)),
+            );
+            update_metrics.push(m);
+        }
+        Ok(mean_per_key(&update_metrics))
+    }
+}
+
+/// What one RL step's sampling reads and moves: the run's prompts and rollout runner, the
+/// data cursor, and the version of the weights that sample.
+struct BatchSampler<'a> {
+    config: &'a Config,
+    prompts: &'a RunPrompts,
+    rollouts: &'a mut Rollouts,
+    cursor: &'a mut DataCursor,
+    sampling: &'a SamplingParams,
+    policy_version: u64,
+}
+
+impl BatchSampler<'_> {
     /// The trajectories step `step` trains on: the data cursor's next batch of prompts,
     /// sampled and scored, with DAPO's overlong shaping when configured. With dynamic
     /// sampling, groups whose rewards are all equal are dropped and further batches are
@@ -202,8 +359,9 @@ impl<E: Engine> Run<'_, E> {
     /// then cover every sampled trajectory, the training every kept one. With `replace`,
     /// a batch where enough groups carry a signal trains with its silent groups replaced
     /// by copies of those (further batches are sampled while too few do).
-    fn sample_batch(&mut self, step: u64) -> Result<SampledBatch> {
+    fn sample<S: SamplingSide + ?Sized>(self, engine: &mut S, step: u64) -> Result<SampledBatch> {
         let (config, prompts) = (self.config, self.prompts);
+        let cursor_before = self.cursor.clone();
         let t = &config.trainer;
         let n = config.generator.n_samples_per_prompt;
         let dynamic = &t.algorithm.dynamic_sampling;
@@ -224,11 +382,7 @@ impl<E: Engine> Run<'_, E> {
         let mut sampled_groups = 0usize;
         let mut batches = 0usize;
         while batches < max_batches && (batches == 0 || kept_groups < t.train_batch_size) {
-            let batch_idx = next_batch(
-                &mut self.state.data_cursor,
-                t.train_batch_size,
-                config.data.shuffle,
-            );
+            let batch_idx = next_batch(self.cursor, t.train_batch_size, config.data.shuffle);
             let batch: Vec<&Prompt> = batch_idx.iter().map(|&i| prompts.rl_prompt(i)).collect();
             // The first batch keeps the seed a step had before dynamic sampling.
             let seed = match batches {
@@ -236,8 +390,10 @@ impl<E: Engine> Run<'_, E> {
                 b => derive_seed(&[t.seed, TRAIN_SEED_STREAM, step, b as u64]),
             };
             let (mut trajs, batch_timing) =
-                self.rollouts
-                    .run(self.engine, &batch, n, &self.step_settings.sampling, seed)?;
+                self.rollouts.run(engine, &batch, n, self.sampling, seed)?;
+            for tr in &mut trajs {
+                tr.policy_version = self.policy_version;
+            }
             timing.generate += batch_timing.generate;
             timing.score += batch_timing.score;
             batches += 1;
@@ -359,85 +515,15 @@ impl<E: Engine> Run<'_, E> {
             num_prompts: kept_groups,
             timing,
             metrics,
+            policy_version: self.policy_version,
+            cursor_before,
+            epoch: self.cursor.epoch,
         })
-    }
-
-    /// The log-probs of every response under the policy and, when the algorithm needs
-    /// them, the reference model, per group.
-    fn response_logprobs(
-        &mut self,
-        groups_g: &[SequenceGroup],
-    ) -> Result<(GroupOutputs, Option<GroupOutputs>)> {
-        let temperature = self.step_settings.temperature;
-        let old_g = self
-            .engine
-            .forward(groups_g, Weights::Policy, temperature)
-            .map_err(Error::verb("forward"))?;
-        let ref_g = if uses_reference(&self.config.trainer.algorithm) {
-            Some(
-                self.engine
-                    .forward(groups_g, Weights::Reference, temperature)
-                    .map_err(Error::verb("forward"))?,
-            )
-        } else {
-            None
-        };
-        Ok((old_g, ref_g))
-    }
-
-    /// `trainer.update_epochs_per_batch` passes over mini-batches of
-    /// `trainer.policy_mini_batch_size` prompts: forward and backward, then one optimiser
-    /// step at the schedule's learning rate each. Returns the mini-batches' mean metrics.
-    fn update_policy(&mut self, train_g: &[TrainGroup]) -> Result<BTreeMap<String, f64>> {
-        let t = &self.config.trainer;
-        let opt = &t.policy.optimizer_config;
-        let settings = &self.step_settings;
-        let mut update_metrics: Vec<BTreeMap<String, f64>> = Vec::new();
-        for _ in 0..t.update_epochs_per_batch {
-            for mini_batch in train_g.chunks(t.policy_mini_batch_size) {
-                let out = self
-                    .engine
-                    .forward_backward(mini_batch, &settings.policy_loss, settings.temperature)
-                    .map_err(Error::verb("forward_backward"))?;
-                let lr = lr_at(
-                    self.state.optimizer_steps,
-                    settings.schedule,
-                    opt.lr,
-                    opt.num_warmup_steps,
-                    settings.total_optimizer_steps,
-                );
-                let outcome = self
-                    .engine
-                    .optim_step(&OptimParams {
-                        lr: lr as f32,
-                        beta1: opt.betas[0] as f32,
-                        beta2: opt.betas[1] as f32,
-                        eps: opt.eps as f32,
-                        weight_decay: opt.weight_decay as f32,
-                        max_grad_norm: opt.max_grad_norm as f32,
-                    })
-                    .map_err(Error::verb("optim_step"))?;
-                // A skipped (non-finite) step advances neither the optimiser nor the schedule.
-                if !outcome.skipped {
-                    self.state.optimizer_steps += 1;
-                }
-                let mut m = out.metrics;
-                m.insert(names::POLICY_FINAL_LOSS.into(), out.loss);
-                m.insert(names::POLICY_GRAD_NORM.into(), outcome.grad_norm);
-                m.insert(names::POLICY_LR.into(), lr);
-                m.insert(
-                    "policy/skipped_steps".into(),
-                    f64::from(u8::from(outcome.skipped)),
-                );
-                update_metrics.push(m);
-            }
-        }
-        Ok(mean_per_key(&update_metrics))
     }
 }
 
-/// What [`Run::sample_batch`] gives the rest of the step.
-struct SampledBatch {
+/// A sampled batch: what [`BatchSampler::sample`] gives the step that trains on it.
+pub(super) struct SampledBatch {
     /// The trajectories to train on, ordered (prompt, sample), prompts numbered from 0.
     trajs: Vec<Trajectory>,
     /// Prompts (groups) among `trajs`.
@@ -446,6 +532,107 @@ struct SampledBatch {
     timing: RolloutTiming,
     /// Rollout, dynamic-sampling and overlong metrics.
     metrics: BTreeMap<String, f64>,
+    /// The version (RL optimizer steps) of the weights that sampled it.
+    policy_version: u64,
+    /// The data cursor before its prompts were drawn: what a checkpoint taken while it
+    /// waits to be trained saves, so a resume draws the same prompts again.
+    pub(super) cursor_before: DataCursor,
+    /// The data epoch after its prompts were drawn (`trainer/epoch`).
+    epoch: u64,
+}
+
+/// What [`prepare_update`] reads besides the batch.
+struct UpdateInputs<'a> {
+    algorithm: &'a AlgorithmConfig,
+    /// The temperature log-probs are taken at.
+    temperature: f32,
+    policy_loss: &'a Loss,
+    /// Prompts per mini-batch.
+    mini_batch_size: usize,
+    /// Whether the first mini-batch trains (it is not too stale).
+    first_trains: bool,
+}
+
+/// What the update needs from [`prepare_update`].
+struct Prepared {
+    /// The batch's training groups, in prompt order.
+    train_g: Vec<TrainGroup>,
+    /// The first mini-batch's forward and backward, when it trains.
+    first: Option<ForwardBackwardOutput>,
+    /// Its wall time, in seconds.
+    first_seconds: f64,
+    /// Log-prob, KL and advantage metrics.
+    metrics: BTreeMap<String, f64>,
+}
+
+/// The step's work before its first optimizer step, which reads the weights and changes
+/// none: old (and reference) log-probs, rewards (optionally KL-penalised, moving `kl`),
+/// advantages, the training groups, and the first mini-batch's forward and backward.
+fn prepare_update<X: std::error::Error + Send + Sync + 'static>(
+    trainer: &mut dyn TrainingSide<Error = X>,
+    inputs: &UpdateInputs,
+    kl: &mut KlController,
+    trajs: &[Trajectory],
+    num_prompts: usize,
+) -> Result<Prepared> {
+    let mut metrics = BTreeMap::new();
+    let sequences = Sequences::of(trajs);
+    let start = Instant::now();
+    let groups_g = sequence_groups(trajs, num_prompts)?;
+    let temperature = inputs.temperature;
+    let old_g = trainer
+        .forward(&groups_g, Weights::Policy, temperature)
+        .map_err(Error::verb("forward"))?;
+    let ref_g = if uses_reference(inputs.algorithm) {
+        Some(
+            trainer
+                .forward(&groups_g, Weights::Reference, temperature)
+                .map_err(Error::verb("forward"))?,
+        )
+    } else {
+        None
+    };
+    metrics.insert("timing/fwd_logprobs".into(), start.elapsed().as_secs_f64());
+    // Trajectories are ordered (prompt, sample), the same order as the flattened groups.
+    let old_logprobs_t = flat_logprobs(&old_g);
+    metrics.extend(rollout_train_logprob_diff(trajs, &old_logprobs_t));
+    let ref_logprobs_t = ref_g.as_deref().map(flat_logprobs);
+    let advantages = advantages(
+        inputs.algorithm,
+        kl,
+        trajs,
+        &sequences,
+        &old_logprobs_t,
+        ref_logprobs_t.as_deref(),
+    );
+    metrics.extend(advantages.metrics);
+    let start = Instant::now();
+    let train_g = train_groups(
+        trajs,
+        &groups_g,
+        &TokenInputs {
+            loss_mask: &advantages.loss_mask_t,
+            advantages: &advantages.advantages_t,
+            old_logprobs: &old_logprobs_t,
+            ref_logprobs: ref_logprobs_t
+                .as_deref()
+                .filter(|_| inputs.algorithm.use_kl_loss),
+        },
+    );
+    let first = match train_g.chunks(inputs.mini_batch_size).next() {
+        Some(mini_batch) if inputs.first_trains => Some(
+            trainer
+                .forward_backward(mini_batch, inputs.policy_loss, temperature)
+                .map_err(Error::verb("forward_backward"))?,
+        ),
+        _ => None,
+    };
+    Ok(Prepared {
+        train_g,
+        first,
+        first_seconds: start.elapsed().as_secs_f64(),
+        metrics,
+    })
 }
 
 /// DAPO's overlong shaping of sampled trajectories, and its counts over a step.
