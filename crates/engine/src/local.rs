@@ -45,6 +45,7 @@ use crate::policy::{
     is_lora_state, OptimParams, OptimizerPlacement, Policy, StepOutcome, ADAPTER_DIR, MODEL_DIR,
 };
 use crate::sampler::{Generation, SampleError, SampleEvent, SampleRequest, Sampler, SamplerConfig};
+use crate::speculative::NgramSpec;
 use crate::verbs::{
     Engine, EngineInfo, ForwardBackwardOutput, Loss, SequenceGroup, TokenOutputs, TrainGroup,
     Weights,
@@ -88,6 +89,8 @@ pub struct LocalEngineOptions {
     pub max_tokens_per_step: usize,
     /// Most samples generating at once.
     pub max_running_seqs: usize,
+    /// Speculative decoding with prompt-lookup drafts (`engine.speculative_ngram`).
+    pub speculative_ngram: Option<NgramSpec>,
     /// Seed of sampling requests that bring none.
     pub seed: u64,
     /// Storage dtype of [`Engine::export_hf`].
@@ -111,6 +114,7 @@ impl Default for LocalEngineOptions {
             block_size: 16,
             max_tokens_per_step: 2048,
             max_running_seqs: 256,
+            speculative_ngram: None,
             seed: 0,
             export_dtype: SaveDType::BF16,
             optimizer_placement: OptimizerPlacement::Device,
@@ -339,6 +343,15 @@ impl<B: Backend> LocalEngine<B> {
             return Err(Error::InvalidRequest(
                 "max_tokens_per_microbatch is 0; give a positive token budget".into(),
             ));
+        }
+        if let Some(problem) = options
+            .speculative_ngram
+            .as_ref()
+            .and_then(NgramSpec::problem)
+        {
+            return Err(Error::InvalidRequest(format!(
+                "speculative_ngram: {problem}"
+            )));
         }
         let (model, lora) = source.shape()?;
         // One engine at a time is built on a GPU, planning with what the others leave.
@@ -1228,6 +1241,7 @@ fn sampler_config<B: Backend>(
         max_tokens_per_step: options.max_tokens_per_step.max(1),
         max_running_seqs: options.max_running_seqs.max(1),
         seed: options.seed,
+        speculative: options.speculative_ngram,
     }
 }
 
