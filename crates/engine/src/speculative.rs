@@ -281,14 +281,12 @@ mod tests {
         keep: impl Fn(&[u32], &[u32]) -> usize,
     ) -> (u32, u32) {
         // Verification rows: after the prompt, after prompt + draft[0], after + draft[1].
-        let mut context = prompt.to_vec();
-        let mut sampled = Vec::new();
-        for j in 0..3 {
-            sampled.push(sample_row(&logits(&context), &row(seed, j as u64)).token);
-            if j < 2 {
-                context.push(draft[j]);
-            }
-        }
+        let sampled: Vec<u32> = (0..=draft.len())
+            .map(|j| {
+                let context = [prompt, &draft[..j]].concat();
+                sample_row(&logits(&context), &row(seed, j as u64)).token
+            })
+            .collect();
         let kept = keep(&draft, &sampled);
         let mut out = sampled[..kept].to_vec();
         // Then decode normally.
