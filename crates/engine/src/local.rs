@@ -44,7 +44,9 @@ use crate::packing::{
 use crate::policy::{
     is_lora_state, OptimParams, OptimizerPlacement, Policy, StepOutcome, ADAPTER_DIR, MODEL_DIR,
 };
-use crate::sampler::{Generation, SampleError, SampleEvent, SampleRequest, Sampler, SamplerConfig};
+use crate::sampler::{
+    Generation, SampleError, SampleEvent, SampleRequest, Sampler, SamplerConfig, SamplerStats,
+};
 use crate::speculative::NgramSpec;
 use crate::verbs::{
     Engine, EngineInfo, ForwardBackwardOutput, Loss, SequenceGroup, TokenOutputs, TrainGroup,
@@ -414,6 +416,11 @@ impl<B: Backend> LocalEngine<B> {
     /// The options the engine was built with.
     pub fn options(&self) -> &LocalEngineOptions {
         &self.options
+    }
+
+    /// The sampler's work counters since it was last built (reports, benchmarks).
+    pub fn sampler_stats(&self) -> &SamplerStats {
+        self.sampler.stats()
     }
 
     /// Queues `requests` on the sampler and runs it with `run`; after a failure the
@@ -964,6 +971,14 @@ impl AnyLocalEngine {
         match self {
             Self::Cpu(engine) => engine.memory_plan(),
             Self::Cuda(engine) => engine.memory_plan(),
+        }
+    }
+
+    /// The sampler's work counters since it was last built.
+    pub fn sampler_stats(&self) -> &SamplerStats {
+        match self {
+            Self::Cpu(engine) => engine.sampler_stats(),
+            Self::Cuda(engine) => engine.sampler_stats(),
         }
     }
 }
