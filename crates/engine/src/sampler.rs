@@ -882,18 +882,17 @@ impl<M: CachedModel> Sampler<M> {
                 .params
                 .max_new_tokens
                 .saturating_sub(generated + 1);
-            let draft = spec.propose(&seq.tokens, room.min(budget));
+            let mut draft = spec.propose(&seq.tokens, room.min(budget));
             let spare = self.blocks.num_free().saturating_sub(running_samples);
-            let len = draft
-                .len()
-                .min((seq.table.len() + spare) * block_size - seq.tokens.len());
-            if len == 0 {
+            draft.truncate((seq.table.len() + spare) * block_size - seq.tokens.len());
+            if draft.is_empty() {
                 continue;
             }
+            let len = draft.len();
             self.blocks
                 .grow(&mut seq.table, seq.tokens.len() + len)
                 .expect("within the spare blocks");
-            chunk.draft = draft[..len].to_vec();
+            chunk.draft = draft;
             chunk.len += len;
             budget -= len;
         }

@@ -3,8 +3,10 @@
 //! # Proposal
 //! A decoding sample looks for the most recent earlier occurrence of its last `n` tokens
 //! in its own prompt and output (`n` from `ngram_max` down to `ngram_min`) and proposes
-//! the up to `max_draft` tokens that followed it ([`NgramSpec::propose`]). The draft is
-//! a point mass: a function of the sample's tokens alone.
+//! the up to `max_draft` tokens that followed it ([`NgramSpec::propose`]); where those run
+//! into the end of the sequence, the copy goes on with the draft itself, so a sequence
+//! that repeats a span of `p` tokens drafts its next `max_draft` repetitions rather than
+//! only `p` tokens. The draft is a point mass: a function of the sample's tokens alone.
 //!
 //! # Verification and exact acceptance
 //! The sampler runs the sample's last sampled token and its `d` draft tokens as one
@@ -78,12 +80,14 @@ impl NgramSpec {
     }
 
     /// The draft for a sequence of `tokens` (prompt then output), at most `most` tokens:
-    /// what followed the most recent earlier occurrence of its longest matching suffix.
-    /// Empty when no suffix of `ngram_min..=ngram_max` tokens occurred before.
-    pub fn propose<'a>(&self, tokens: &'a [u32], most: usize) -> &'a [u32] {
+    /// what followed the most recent earlier occurrence of its longest matching suffix,
+    /// continued periodically past the end (see the module docs). Empty when no suffix of
+    /// `ngram_min..=ngram_max` tokens occurred before.
+    pub fn propose(&self, tokens: &[u32], most: usize) -> Vec<u32> {
         let most = most.min(self.max_draft);
+        let mut draft = Vec::with_capacity(most);
         if most == 0 {
-            return &[];
+            return draft;
         }
         let len = tokens.len();
         for n in (self.ngram_min..=self.ngram_max).rev() {
@@ -93,11 +97,19 @@ impl NgramSpec {
             let suffix = &tokens[len - n..];
             // Starts before `len - n`, so at least one token follows the occurrence.
             if let Some(start) = (0..len - n).rev().find(|&s| &tokens[s..s + n] == suffix) {
+                // `from < len`, so a position past the end reads a draft token already made.
                 let from = start + n;
-                return &tokens[from..(from + most).min(len)];
+                for at in from..from + most {
+                    draft.push(if at < len {
+                        tokens[at]
+                    } else {
+                        draft[at - len]
+                    });
+                }
+                return draft;
             }
         }
-        &[]
+        draft
     }
 }
 
@@ -195,8 +207,10 @@ mod tests {
         // A trigram match wins over more recent bigram matches.
         let tokens = [5, 6, 7, 1, 6, 7, 2, 5, 6, 7];
         assert_eq!(spec(2, 3, 2).propose(&tokens, 8), &[1, 6]);
-        // The draft stops at the end of the sequence (overlapping occurrence).
-        assert_eq!(spec(4, 1, 1).propose(&[4, 4, 4], 8), &[4]);
+        // Past the end of the sequence the copy repeats the span.
+        assert_eq!(spec(4, 1, 1).propose(&[4, 4, 4], 8), &[4, 4, 4, 4]);
+        assert_eq!(spec(5, 2, 2).propose(&[7, 1, 2, 1, 2], 8), &[1, 2, 1, 2, 1]);
+        assert_eq!(spec(4, 3, 1).propose(&[5, 6, 9, 5, 6], 8), &[9, 5, 6, 9]);
         // No earlier occurrence of any suffix long enough.
         assert!(spec(4, 3, 2).propose(&[1, 2, 3, 4, 3], 8).is_empty());
         assert!(spec(4, 3, 1).propose(&[1], 8).is_empty());
