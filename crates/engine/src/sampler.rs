@@ -390,7 +390,8 @@ impl<M: CachedModel> Sampler<M> {
     /// A sampler with a fresh cache for `model`.
     ///
     /// # Panics
-    /// When `block_size`, `max_tokens_per_step` or `max_running_seqs` is 0.
+    /// When `block_size`, `max_tokens_per_step` or `max_running_seqs` is 0, or
+    /// `speculative` has a [`NgramSpec::problem`].
     pub fn new(model: &M, config: SamplerConfig) -> Result<Self, SampleError> {
         assert!(config.block_size > 0, "block_size must be positive");
         assert!(
