@@ -93,6 +93,7 @@ pub mod policy;
 #[cfg(feature = "remote")]
 pub mod remote;
 pub mod sampler;
+pub mod speculative;
 pub mod stop;
 pub mod verbs;
 
@@ -112,6 +113,7 @@ pub use sampler::{
     sample_seed, CachedInput, CachedModel, Detokenizer, Generation, SampleError, SampleEvent,
     SampleProgress, SampleRequest, Sampler, SamplerConfig, SamplerStats, SamplingParams,
 };
+pub use speculative::NgramSpec;
 pub use stop::{Stop, StopConditions, StopReason};
 pub use verbs::{
     one_after_the_other, Engine, EngineInfo, ForwardBackwardOutput, Loss, SamplingSide,

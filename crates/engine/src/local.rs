@@ -44,7 +44,10 @@ use crate::packing::{
 use crate::policy::{
     is_lora_state, OptimParams, OptimizerPlacement, Policy, StepOutcome, ADAPTER_DIR, MODEL_DIR,
 };
-use crate::sampler::{Generation, SampleError, SampleEvent, SampleRequest, Sampler, SamplerConfig};
+use crate::sampler::{
+    Generation, SampleError, SampleEvent, SampleRequest, Sampler, SamplerConfig, SamplerStats,
+};
+use crate::speculative::NgramSpec;
 // The two sides are named by path: in scope, their methods would clash with the
 // `Engine` verbs they forward to.
 use crate::verbs::{
@@ -90,6 +93,8 @@ pub struct LocalEngineOptions {
     pub max_tokens_per_step: usize,
     /// Most samples generating at once.
     pub max_running_seqs: usize,
+    /// Speculative decoding with prompt-lookup drafts (`engine.speculative_ngram`).
+    pub speculative_ngram: Option<NgramSpec>,
     /// Seed of sampling requests that bring none.
     pub seed: u64,
     /// Storage dtype of [`Engine::export_hf`].
@@ -113,6 +118,7 @@ impl Default for LocalEngineOptions {
             block_size: 16,
             max_tokens_per_step: 2048,
             max_running_seqs: 256,
+            speculative_ngram: None,
             seed: 0,
             export_dtype: SaveDType::BF16,
             optimizer_placement: OptimizerPlacement::Device,
@@ -343,6 +349,15 @@ impl<B: Backend> LocalEngine<B> {
                 "max_tokens_per_microbatch is 0; give a positive token budget".into(),
             ));
         }
+        if let Some(problem) = options
+            .speculative_ngram
+            .as_ref()
+            .and_then(NgramSpec::problem)
+        {
+            return Err(Error::InvalidRequest(format!(
+                "speculative_ngram: {problem}"
+            )));
+        }
         let (model, lora) = source.shape()?;
         // One engine at a time is built on a GPU, planning with what the others leave.
         let gate = match options.device {
@@ -404,6 +419,14 @@ impl<B: Backend> LocalEngine<B> {
     /// The options the engine was built with.
     pub fn options(&self) -> &LocalEngineOptions {
         &self.options
+    }
+
+    /// The sampler's work counters since it was last built (reports, benchmarks).
+    pub fn sampler_stats(&self) -> &SamplerStats {
+        self.sampler
+            .as_ref()
+            .expect("the sampler is lent out only inside overlap")
+            .stats()
     }
 
     /// Whether [`Engine::overlap`] runs its sides on two threads: on the CPU, whose
@@ -1000,6 +1023,14 @@ impl AnyLocalEngine {
             Self::Cuda(engine) => engine.memory_plan(),
         }
     }
+
+    /// The sampler's work counters since it was last built.
+    pub fn sampler_stats(&self) -> &SamplerStats {
+        match self {
+            Self::Cpu(engine) => engine.sampler_stats(),
+            Self::Cuda(engine) => engine.sampler_stats(),
+        }
+    }
 }
 
 /// Forwards a verb to the engine inside an [`AnyLocalEngine`].
@@ -1283,6 +1314,7 @@ fn sampler_config<B: Backend>(
         max_tokens_per_step: options.max_tokens_per_step.max(1),
         max_running_seqs: options.max_running_seqs.max(1),
         seed: options.seed,
+        speculative: options.speculative_ngram,
     }
 }
 

@@ -23,6 +23,15 @@
 //! depend on what else is in the batch, on chunking or on preemption, as long as the
 //! model's logits for a row do not (exactly true on the CPU backend).
 //!
+//! # Speculative decoding
+//! With [`SamplerConfig::speculative`], a decoding sample that finds a prompt-lookup
+//! draft runs its last token and the draft as one chunk, gets logits for each of its
+//! rows, and keeps the sampled tokens through the first that differs from the draft (see
+//! [`crate::speculative`]: the tokens are the ones it would sample without speculation).
+//! Drafts take what is left of the step's token budget after every decode, before
+//! prefill, and only blocks beyond the one-per-sample reserve below, so they never
+//! preempt; the keys and values of rejected draft tokens are overwritten later.
+//!
 //! # Running out of blocks
 //! Admission reserves the blocks a sequence needs for its prompt, and while others run it
 //! also leaves one free block per running sample; decoding grows tables a block at a
@@ -44,6 +53,7 @@ use floe_model::transformer::{ModelError, Transformer};
 use serde::{Deserialize, Serialize};
 
 use crate::kv_blocks::{BlockManager, BlockTable};
+use crate::speculative::{kept_tokens, NgramSpec};
 use crate::stop::{Stop, StopConditions, StopReason};
 
 /// Most samples one request may ask for: beyond it, a typo or a hostile client would keep
@@ -196,6 +206,8 @@ pub struct SamplerConfig {
     pub max_running_seqs: usize,
     /// Seed for requests that bring none.
     pub seed: u64,
+    /// Speculative decoding with prompt-lookup drafts; `None` decodes a token per step.
+    pub speculative: Option<NgramSpec>,
 }
 
 impl Default for SamplerConfig {
@@ -206,6 +218,7 @@ impl Default for SamplerConfig {
             max_tokens_per_step: 2048,
             max_running_seqs: 256,
             seed: 0,
+            speculative: None,
         }
     }
 }
@@ -217,8 +230,12 @@ pub struct SamplerStats {
     pub steps: u64,
     /// Tokens run as prefill: prompts (shared prefixes once), prompt tails, recomputes.
     pub prefill_tokens: u64,
-    /// Tokens run as decode (one per running sample per step).
+    /// Tokens run as decode (one per running sample per step, draft tokens not counted).
     pub decode_tokens: u64,
+    /// Draft tokens run for verification (speculative decoding).
+    pub draft_tokens: u64,
+    /// Draft tokens the samples kept.
+    pub accepted_draft_tokens: u64,
     /// Samples preempted for lack of blocks.
     pub preemptions: u64,
     /// Samples finished.
@@ -316,7 +333,10 @@ struct Chunk {
     len: usize,
     /// A decode (the sample's one newly sampled token) rather than prefill.
     decode: bool,
-    /// Index of its logits row, when the chunk ends at the sequence's last token.
+    /// Draft tokens run after a decode's token, positions `start + 1..start + len`.
+    draft: Vec<u32>,
+    /// Index of its first logits row, when the chunk ends at the sequence's last token
+    /// (then it has `1 + draft.len()` rows).
     logits_row: Option<usize>,
 }
 
@@ -370,7 +390,8 @@ impl<M: CachedModel> Sampler<M> {
     /// A sampler with a fresh cache for `model`.
     ///
     /// # Panics
-    /// When `block_size`, `max_tokens_per_step` or `max_running_seqs` is 0.
+    /// When `block_size`, `max_tokens_per_step` or `max_running_seqs` is 0, or
+    /// `speculative` has a [`NgramSpec::problem`].
     pub fn new(model: &M, config: SamplerConfig) -> Result<Self, SampleError> {
         assert!(config.block_size > 0, "block_size must be positive");
         assert!(
@@ -381,6 +402,9 @@ impl<M: CachedModel> Sampler<M> {
             config.max_running_seqs > 0,
             "max_running_seqs must be positive"
         );
+        if let Some(problem) = config.speculative.as_ref().and_then(NgramSpec::problem) {
+            panic!("speculative: {problem}");
+        }
         let cache = model
             .new_cache(config.num_blocks, config.block_size)
             .map_err(|e| SampleError::Model(Box::new(e)))?;
@@ -641,15 +665,31 @@ impl<M: CachedModel> Sampler<M> {
                     self.stats.prefill_tokens += chunk.len as u64;
                 }
                 Running::Sample(seq) => {
+                    let drafted = chunk.draft.len();
                     if chunk.decode {
                         self.stats.decode_tokens += 1;
+                        self.stats.draft_tokens += drafted as u64;
                     } else {
                         self.stats.prefill_tokens += chunk.len as u64;
                     }
-                    seq.computed += chunk.len;
+                    seq.computed += chunk.len - drafted;
                     if let Some(row) = chunk.logits_row {
                         let request = &self.requests[&seq.request];
-                        match append_token(seq, request, sampled[row], self.detokenizer.as_ref()) {
+                        let rows = &sampled[row..=row + drafted];
+                        let kept = kept_tokens(&chunk.draft, rows.iter().map(|s| s.token));
+                        let mut stopped = None;
+                        for (j, &token) in rows[..kept].iter().enumerate() {
+                            if j + 1 < kept {
+                                // An accepted draft token: its key and value stand.
+                                seq.computed += 1;
+                                self.stats.accepted_draft_tokens += 1;
+                            }
+                            stopped = append_token(seq, request, token, self.detokenizer.as_ref());
+                            if stopped.is_some() {
+                                break;
+                            }
+                        }
+                        match stopped {
                             Some(reason) => finished.push((chunk.seq, reason)),
                             None if progress => emit(
                                 seq.request,
@@ -732,6 +772,7 @@ impl<M: CachedModel> Sampler<M> {
                         start: seq.computed,
                         len: 1,
                         decode: true,
+                        draft: Vec::new(),
                         logits_row: None,
                     });
                     budget -= 1;
@@ -741,6 +782,9 @@ impl<M: CachedModel> Sampler<M> {
                 }
             }
             index += 1;
+        }
+        if let Some(spec) = self.config.speculative {
+            budget = self.add_drafts(&spec, &mut chunks, budget);
         }
 
         // Prefill chunks of sequences already running (their blocks were reserved at
@@ -767,6 +811,7 @@ impl<M: CachedModel> Sampler<M> {
                     start,
                     len,
                     decode: false,
+                    draft: Vec::new(),
                     logits_row: None,
                 });
                 budget -= len;
@@ -794,23 +839,65 @@ impl<M: CachedModel> Sampler<M> {
                     start: 0,
                     len,
                     decode: false,
+                    draft: Vec::new(),
                     logits_row: None,
                 });
                 budget -= len;
             }
         }
 
-        // A sample's chunk yields logits when it reaches its last token.
+        // A sample's chunk yields logits when it reaches its last token (and its draft).
         let mut rows = 0;
         for chunk in &mut chunks {
             if let Running::Sample(seq) = &self.running[chunk.seq] {
-                if chunk.start + chunk.len == seq.tokens.len() {
+                if chunk.start + chunk.len == seq.tokens.len() + chunk.draft.len() {
                     chunk.logits_row = Some(rows);
-                    rows += 1;
+                    rows += 1 + chunk.draft.len();
                 }
             }
         }
         chunks
+    }
+
+    /// Extends the decode `chunks` with prompt-lookup drafts, oldest sample first, within
+    /// `budget` tokens and the free blocks beyond one per running sample (the admission
+    /// reserve), so drafting never preempts. Returns the budget left.
+    fn add_drafts(&mut self, spec: &NgramSpec, chunks: &mut [Chunk], mut budget: usize) -> usize {
+        let running_samples = self
+            .running
+            .iter()
+            .filter(|r| matches!(r, Running::Sample(_)))
+            .count();
+        let block_size = self.blocks.block_size();
+        for chunk in chunks.iter_mut() {
+            if budget == 0 {
+                break;
+            }
+            let Running::Sample(seq) = &mut self.running[chunk.seq] else {
+                unreachable!("decodes are samples")
+            };
+            // Of the 1 + d tokens a step can keep the last is never run, so a sample
+            // stays within the positions `validate` counted.
+            let generated = seq.tokens.len() - seq.prompt_len;
+            let room = self.requests[&seq.request]
+                .params
+                .max_new_tokens
+                .saturating_sub(generated + 1);
+            let mut draft = spec.propose(&seq.tokens, room.min(budget));
+            let spare = self.blocks.num_free().saturating_sub(running_samples);
+            draft.truncate((seq.table.len() + spare) * block_size - seq.tokens.len());
+            if draft.is_empty() {
+                continue;
+            }
+            let len = draft.len();
+            self.blocks
+                .grow(&mut seq.table, seq.tokens.len() + len)
+                .expect("within the spare blocks");
+            chunk.draft = draft;
+            chunk.len += len;
+            budget -= len;
+        }
+        budget
     }
 
     /// Makes the sample at `index` cover `tokens` positions, preempting the newest
@@ -1041,7 +1128,11 @@ impl<M: CachedModel> Sampler<M> {
         for (row, (chunk, (blocks, tokens))) in chunks.iter().zip(&tables).enumerate() {
             input.block_tables[row * max_blocks..][..blocks.len()].copy_from_slice(blocks);
             for pos in chunk.start..chunk.start + chunk.len {
-                input.tokens.push(tokens[pos]);
+                let token = match pos.checked_sub(tokens.len()) {
+                    Some(i) => chunk.draft[i],
+                    None => tokens[pos],
+                };
+                input.tokens.push(token);
                 input.token_seq.push(row as u32);
                 input.token_pos.push(pos as u32);
                 let block = blocks[pos / self.config.block_size] as usize;
@@ -1050,31 +1141,36 @@ impl<M: CachedModel> Sampler<M> {
                     .push((block * self.config.block_size + pos % self.config.block_size) as u32);
             }
             if chunk.logits_row.is_some() {
-                input.logit_rows.push(input.tokens.len() as u32 - 1);
+                let end = input.tokens.len() as u32;
+                input
+                    .logit_rows
+                    .extend(end - 1 - chunk.draft.len() as u32..end);
             }
         }
         input
     }
 
-    /// The sampling parameters of each logits row, in row order.
+    /// The sampling parameters of each logits row, in row order: a draft's row `j`
+    /// draws the token `j` places after the sample's next, as it would without a draft.
     fn sampling_rows(&self, chunks: &[Chunk]) -> Vec<SamplingRow> {
         chunks
             .iter()
             .filter(|chunk| chunk.logits_row.is_some())
-            .map(|chunk| {
+            .flat_map(|chunk| {
                 let Running::Sample(seq) = &self.running[chunk.seq] else {
                     unreachable!("only samples have logits rows")
                 };
                 let request = &self.requests[&seq.request];
                 let params = &request.params;
-                SamplingRow {
+                let next = seq.tokens.len() - seq.prompt_len;
+                (next..=next + chunk.draft.len()).map(|offset| SamplingRow {
                     temperature: params.temperature,
                     top_k: params.top_k,
                     top_p: params.top_p,
                     min_p: params.min_p,
                     seed: sample_seed(request.seed, seq.index),
-                    offset: (seq.tokens.len() - seq.prompt_len) as u64,
-                }
+                    offset: offset as u64,
+                })
             })
             .collect()
     }

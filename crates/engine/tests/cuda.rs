@@ -61,6 +61,7 @@ fn sampler_config(num_blocks: usize, block_size: usize, budget: usize) -> Sample
         max_tokens_per_step: budget,
         max_running_seqs: 64,
         seed: 0,
+        speculative: None,
     }
 }
 

@@ -10,8 +10,8 @@ use floe_backend::cpu::CpuBackend;
 use floe_backend::sampling::mix64;
 use floe_backend::{Backend, BufKind, SamplingRow};
 use floe_engine::{
-    sample_seed, CachedInput, CachedModel, Generation, SampleError, SampleEvent, SampleRequest,
-    Sampler, SamplerConfig, SamplingParams, Stop, StopReason,
+    sample_seed, CachedInput, CachedModel, Generation, NgramSpec, SampleError, SampleEvent,
+    SampleRequest, Sampler, SamplerConfig, SamplingParams, Stop, StopReason,
 };
 
 const VOCAB: usize = 64;
@@ -221,6 +221,7 @@ fn config(num_blocks: usize, block_size: usize, max_tokens_per_step: usize) -> S
         max_tokens_per_step,
         max_running_seqs: 64,
         seed: 0,
+        speculative: None,
     }
 }
 
@@ -298,6 +299,47 @@ fn every_cache_and_budget_shape_matches_the_reference() {
         let (out, _) = generate(&model, config.clone(), &requests);
         assert_eq!(out, expected, "{config:?}");
     }
+}
+
+/// Prompt-lookup drafts change no token or log-prob in any cache and budget shape (the
+/// model reads every context back from the cache, so a rejected draft's key/value read
+/// where the real token's belongs would change the tokens).
+#[test]
+fn speculative_decoding_samples_the_reference_tokens_in_every_shape() {
+    let model = ContextHashModel::default();
+    let mut requests = mixed_requests();
+    requests[7].params.stop_token_ids = vec![3, 17, 40];
+    let expected: Vec<Generation> = requests.iter().flat_map(reference).collect();
+    let (mut drafted, mut accepted) = (0, 0);
+    for (blocks, block_size, budget, running) in [
+        (16, 4, 1, 64),
+        (16, 4, 64, 2),
+        (48, 1, 9, 5),
+        (6, 16, 100, 64),
+        (9, 8, 2, 64),
+        (300, 3, 1000, 64),
+    ] {
+        let config = SamplerConfig {
+            max_running_seqs: running,
+            speculative: Some(NgramSpec::with_max_draft(4)),
+            ..config(blocks, block_size, budget)
+        };
+        let calls = model.calls.get();
+        let tokens_run = model.tokens_run.get();
+        let (out, stats) = generate(&model, config.clone(), &requests);
+        assert_eq!(out, expected, "{config:?}");
+        assert_eq!(stats.steps as usize, model.calls.get() - calls);
+        assert_eq!(
+            (stats.prefill_tokens + stats.decode_tokens + stats.draft_tokens) as usize,
+            model.tokens_run.get() - tokens_run
+        );
+        drafted += stats.draft_tokens;
+        accepted += stats.accepted_draft_tokens;
+    }
+    assert!(
+        accepted > 0 && drafted > 10 * accepted,
+        "{accepted} of {drafted}"
+    );
 }
 
 #[test]

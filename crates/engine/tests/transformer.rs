@@ -7,8 +7,8 @@ use std::sync::Arc;
 
 use floe_backend::cpu::CpuBackend;
 use floe_engine::{
-    pack_rollouts, Generation, PackingConfig, PackingMode, Response, RolloutGroup, SampleRequest,
-    Sampler, SamplerConfig, SamplingParams, TokenRef,
+    pack_rollouts, Generation, NgramSpec, PackingConfig, PackingMode, Response, RolloutGroup,
+    SampleRequest, Sampler, SamplerConfig, SamplingParams, TokenRef,
 };
 use floe_model::batch::PackedBatch;
 use floe_model::transformer::Transformer;
@@ -51,6 +51,7 @@ fn config(num_blocks: usize, block_size: usize, max_tokens_per_step: usize) -> S
         max_tokens_per_step,
         max_running_seqs: 32,
         seed: 0,
+        speculative: None,
     }
 }
 
@@ -115,6 +116,86 @@ fn sampling_is_batch_invariant_and_logprobs_match_the_trainer() {
             );
         }
     }
+}
+
+/// `requests` sampled without and with prompt-lookup speculation (k = 4) in a small
+/// cache and step budget; returns both and the draft tokens run and accepted.
+fn with_and_without_speculation(
+    model: &Transformer<CpuBackend<f64>>,
+    requests: &[SampleRequest],
+) -> (Vec<Generation>, Vec<Generation>, u64, u64) {
+    let plain = Sampler::new(model, config(64, 4, 24))
+        .unwrap()
+        .generate(model, requests.to_vec())
+        .unwrap();
+    let mut sampler = Sampler::new(
+        model,
+        SamplerConfig {
+            speculative: Some(NgramSpec::with_max_draft(4)),
+            ..config(64, 4, 24)
+        },
+    )
+    .unwrap();
+    let speculative = sampler.generate(model, requests.to_vec()).unwrap();
+    let stats = sampler.stats();
+    (
+        plain,
+        speculative,
+        stats.draft_tokens,
+        stats.accepted_draft_tokens,
+    )
+}
+
+fn assert_same_samples(plain: &[Generation], speculative: &[Generation]) {
+    assert_eq!(plain.len(), speculative.len());
+    for (a, b) in plain.iter().zip(speculative) {
+        assert_eq!(a.tokens, b.tokens, "request {}", a.request_id);
+        assert_eq!(a.logprobs.len(), b.logprobs.len());
+        for (x, y) in a.logprobs.iter().zip(&b.logprobs) {
+            assert!((x - y).abs() < 1e-5, "{x} vs {y}");
+        }
+    }
+}
+
+#[test]
+fn speculative_greedy_decoding_equals_plain_greedy() {
+    let model = tiny_model();
+    let phrase: Vec<u32> = vec![5, 17, 33, 2, 60, 41, 8];
+    let mut requests: Vec<SampleRequest> = (0..4)
+        .map(|id| request(id, 6 + 5 * id as usize, 1, 24))
+        .collect();
+    // A prompt that repeats a phrase: lookup drafts its continuation.
+    requests.push(SampleRequest {
+        prompt: phrase.repeat(4),
+        ..request(9, 1, 1, 24)
+    });
+    for r in &mut requests {
+        r.params.temperature = 0.0;
+    }
+    let (plain, speculative, drafted, accepted) = with_and_without_speculation(&model, &requests);
+    assert_same_samples(&plain, &speculative);
+    assert!(accepted > 0, "{accepted} of {drafted} drafts accepted");
+}
+
+/// At temperature 1 the tokens are the same too: a draft token is kept exactly when the
+/// row's ordinary draw lands on it (`floe_engine::speculative`).
+#[test]
+fn speculative_sampling_draws_the_plain_samples() {
+    let model = tiny_model();
+    let phrase: Vec<u32> = vec![5, 17, 33, 2, 60, 41, 8];
+    let requests: Vec<SampleRequest> = (0..6)
+        .map(|id| SampleRequest {
+            prompt: phrase.repeat(1 + id as usize % 3),
+            params: SamplingParams {
+                top_k: 3,
+                ..request(id, 1, 4, 16).params
+            },
+            ..request(id, 1, 4, 16)
+        })
+        .collect();
+    let (plain, speculative, drafted, accepted) = with_and_without_speculation(&model, &requests);
+    assert_same_samples(&plain, &speculative);
+    assert!(accepted > 0, "{accepted} of {drafted} drafts accepted");
 }
 
 fn rollouts() -> Vec<RolloutGroup> {

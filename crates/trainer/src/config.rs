@@ -14,7 +14,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 use std::path::{Path, PathBuf};
 
-use floe_engine::{Device, Recompute};
+use floe_engine::{Device, NgramSpec, Recompute};
 use floe_env::dataset::Row;
 use floe_env::synth_sql::Holdout;
 use floe_rl::{AdvantageEstimator, LossReduction, RlError};
@@ -576,6 +576,11 @@ pub struct EngineConfig {
     /// gradients, about 6 bytes a parameter instead of 18, at the cost of moving each
     /// step's gradients and weights over PCIe and updating on the CPU.
     pub offload_optimizer: bool,
+    /// Speculative decoding with prompt-lookup drafts: a draft length (`4`: up to 4
+    /// tokens, matching the last 3 down to 1 tokens) or a table `{ max_draft = 4,
+    /// ngram_max = 3, ngram_min = 2 }`. The samples are the ones drawn without it; it
+    /// saves model calls when outputs repeat their prompt. Unset: off.
+    pub speculative_ngram: Option<NgramSpec>,
 }
 
 impl Default for EngineConfig {
@@ -587,6 +592,7 @@ impl Default for EngineConfig {
             memory_fraction: 0.8,
             remote: None,
             offload_optimizer: false,
+            speculative_ngram: None,
         }
     }
 }
@@ -1224,6 +1230,14 @@ impl Config {
     }
 
     fn check_engine(&self, problems: &mut Vec<String>) {
+        if let Some(problem) = self
+            .engine
+            .speculative_ngram
+            .as_ref()
+            .and_then(NgramSpec::problem)
+        {
+            problems.push(format!("engine.speculative_ngram.{problem}"));
+        }
         let fraction = self.engine.memory_fraction;
         if !(fraction > 0.0 && fraction <= 1.0) {
             problems.push(format!(

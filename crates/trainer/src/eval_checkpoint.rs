@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use floe_engine::{saved_weights_source, AnyLocalEngine};
+use floe_engine::{saved_weights_source, AnyLocalEngine, SamplerStats};
 use floe_model::chat_template::ChatTemplate;
 use floe_model::tokenizer::Tokenizer;
 
@@ -47,6 +47,8 @@ pub struct EvalReport {
     pub generations: PathBuf,
     /// Prompts evaluated.
     pub num_prompts: usize,
+    /// The sampler's work: model calls, time, speculative drafts.
+    pub sampling: SamplerStats,
 }
 
 /// Evaluates a checkpoint of a floe run with the run's own config (tokenizer, template,
@@ -133,5 +135,6 @@ pub fn eval_checkpoint(request: &EvalRequest) -> Result<EvalReport> {
         metrics: out.metrics,
         generations,
         num_prompts: prompts.len(),
+        sampling: engine.sampler_stats().clone(),
     })
 }

@@ -63,6 +63,7 @@ pub fn engine_options(config: &Config) -> LocalEngineOptions {
             OptimizerPlacement::Device
         },
         seed: trainer.seed,
+        speculative_ngram: config.engine.speculative_ngram,
         ..defaults
     }
 }

@@ -2,7 +2,7 @@
 
 use std::path::Path;
 
-use floe_engine::{Device, Recompute};
+use floe_engine::{Device, NgramSpec, Recompute};
 use floe_env::dataset::Row;
 use floe_trainer::config::{Config, ConfigError, Logger, Resume, Scheduler, EFFECTIVE_CONFIG_FILE};
 
@@ -217,6 +217,60 @@ fn recompute_takes_booleans_auto_and_a_layer_count() {
     let recipe = write_recipe(dir.path(), "r.toml", "[engine]\nrecompute = true\n");
     let config = Config::load(Some(&recipe), &[]).unwrap();
     assert_eq!(config.engine.recompute, Recompute::All);
+}
+
+#[test]
+fn speculative_ngram_takes_a_draft_length_or_a_table_and_round_trips() {
+    assert_eq!(Config::default().engine.speculative_ngram, None);
+    let spec = |items: &[&str]| {
+        Config::load(None, &overrides(items)).map(|config| config.engine.speculative_ngram)
+    };
+    assert_eq!(
+        spec(&["engine.speculative_ngram=4"]).unwrap(),
+        Some(NgramSpec::with_max_draft(4))
+    );
+    let table = NgramSpec {
+        max_draft: 2,
+        ngram_max: 4,
+        ngram_min: 2,
+    };
+    assert_eq!(
+        spec(&["engine.speculative_ngram={ max_draft = 2, ngram_max = 4, ngram_min = 2 }"])
+            .unwrap(),
+        Some(table)
+    );
+    assert_eq!(
+        spec(&[
+            "engine.speculative_ngram.max_draft=2",
+            "engine.speculative_ngram.ngram_max=4",
+            "engine.speculative_ngram.ngram_min=2",
+        ])
+        .unwrap(),
+        Some(table)
+    );
+    let message = spec(&["engine.speculative_ngram={ max_draft = 2, ngram = 2 }"])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        message.starts_with("bad value for 'engine.speculative_ngram.ngram' (in override #1)"),
+        "{message}"
+    );
+    assert!(message.contains("unknown field `ngram`"), "{message}");
+    let problems = invalid_messages(&["engine.speculative_ngram={ max_draft = 0 }"]);
+    assert!(
+        problems[0].starts_with("engine.speculative_ngram.max_draft is 0"),
+        "{problems:?}"
+    );
+    let problems = invalid_messages(&["engine.speculative_ngram={ max_draft = 3, ngram_min = 5 }"]);
+    assert!(
+        problems[0].contains("engine.speculative_ngram.ngram_min 5 is above ngram_max 3"),
+        "{problems:?}"
+    );
+
+    let dir = tempfile::tempdir().unwrap();
+    let config = Config::load(None, &overrides(&["engine.speculative_ngram=3"])).unwrap();
+    let path = config.save_effective(&dir.path().join("run")).unwrap();
+    assert_eq!(Config::load(Some(&path), &[]).unwrap(), config);
 }
 
 #[test]

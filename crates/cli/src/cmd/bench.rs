@@ -4,8 +4,10 @@
 //! - `train`: tokens/s of forward + backward + AdamW step (global-norm clip 1.0) on random
 //!   tokens, `batch × seq` per optimizer step, loss `−mean(0.01 · log p(token))` over every
 //!   position, the peer's loss.
-//! - `generate`: new tokens/s of the sampler at temperature 1 with every sequence forced to
-//!   `--new` tokens, all `batch` prompts submitted at once (continuous batching, paged KV).
+//! - `generate`: new tokens/s of the sampler at temperature 1 (`--temperature`) with every
+//!   sequence forced to `--new` tokens, all `batch` prompts submitted at once (continuous
+//!   batching, paged KV), optionally with prompt-lookup speculative decoding
+//!   (`--speculative-ngram K`: its acceptance rate and new tokens per model call).
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -19,7 +21,7 @@ use floe_backend::Backend;
 use floe_engine::policy::{OptimParams, OptimizerPlacement, Policy};
 use floe_engine::Device;
 use floe_engine::{MemoryPlan, PlanInputs, Recompute};
-use floe_engine::{SampleRequest, Sampler, SamplerConfig, SamplingParams};
+use floe_engine::{NgramSpec, SampleRequest, Sampler, SamplerConfig, SamplingParams};
 use floe_model::batch::PackedBatch;
 use floe_model::transformer::Transformer;
 use floe_model::{weights, ModelConfig};
@@ -76,6 +78,13 @@ pub struct Args {
     /// Most tokens per sampler step (prefill chunks plus decodes).
     #[arg(long, default_value_t = 8192)]
     max_tokens_per_step: usize,
+    /// Sampling temperature (generate); 0 is greedy.
+    #[arg(long, default_value_t = 1.0)]
+    temperature: f32,
+    /// Speculative decoding with prompt-lookup drafts of up to K tokens, matching the
+    /// last 3 down to 1 tokens (generate; `engine.speculative_ngram`).
+    #[arg(long, value_name = "K")]
+    speculative_ngram: Option<usize>,
     /// Timed iterations (train).
     #[arg(long, default_value_t = 5)]
     iters: usize,
@@ -387,7 +396,11 @@ fn bench_generate<B: Backend>(
         max_tokens_per_step: args.max_tokens_per_step.max(batch),
         max_running_seqs: batch,
         seed: 0,
+        speculative: args.speculative_ngram.map(NgramSpec::with_max_draft),
     };
+    if let Some(problem) = config.speculative.as_ref().and_then(NgramSpec::problem) {
+        bail!("--speculative-ngram: {problem}");
+    }
     let vocab = model.config().vocab_size;
     let requests = |new: usize| -> Vec<SampleRequest> {
         (0..batch)
@@ -396,7 +409,7 @@ fn bench_generate<B: Backend>(
                 prompt: random_tokens(args.prompt, vocab, 1000 + i as u64),
                 n: 1,
                 params: SamplingParams {
-                    temperature: 1.0,
+                    temperature: args.temperature,
                     max_new_tokens: new,
                     seed: Some(i as u64),
                     force_full_length: true,
@@ -423,7 +436,13 @@ fn bench_generate<B: Backend>(
         "new": args.new,
         "new_tok_s": new_tokens as f64 / seconds,
         "seconds": seconds,
+        "temperature": args.temperature,
+        "speculative_ngram": args.speculative_ngram,
         "steps": stats.steps,
+        "new_tokens_per_call": new_tokens as f64 / stats.steps as f64,
+        "draft_tokens": stats.draft_tokens,
+        "accepted_draft_tokens": stats.accepted_draft_tokens,
+        "acceptance": stats.accepted_draft_tokens as f64 / stats.draft_tokens.max(1) as f64,
         "preemptions": stats.preemptions,
         "model_s": stats.model_time.as_secs_f64(),
     });
@@ -463,18 +482,25 @@ fn print_table(mode: Mode, results: &[Value]) {
         }
         Mode::Generate => {
             println!(
-                "{:<8} {:>6} {:>7} {:>5} {:>14} {:>9}",
-                "model", "batch", "prompt", "new", "new tokens/s", "seconds"
+                "{:<8} {:>6} {:>7} {:>5} {:>14} {:>9} {:>10} {:>7}",
+                "model", "batch", "prompt", "new", "new tokens/s", "seconds", "tok/call", "accept"
             );
             for r in results {
+                let accept = if r["speculative_ngram"].is_null() {
+                    "-".to_string()
+                } else {
+                    format!("{:.3}", r["acceptance"].as_f64().unwrap_or(0.0))
+                };
                 println!(
-                    "{:<8} {:>6} {:>7} {:>5} {:>14.1} {:>9.3}",
+                    "{:<8} {:>6} {:>7} {:>5} {:>14.1} {:>9.3} {:>10.2} {:>7}",
                     r["model"].as_str().unwrap_or("?"),
                     field(r, "batch"),
                     field(r, "prompt"),
                     field(r, "new"),
                     r["new_tok_s"].as_f64().unwrap_or(0.0),
                     r["seconds"].as_f64().unwrap_or(0.0),
+                    r["new_tokens_per_call"].as_f64().unwrap_or(0.0),
+                    accept,
                 );
             }
         }

@@ -51,6 +51,19 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             println!("  {name:<40} {value:.4}");
         }
     }
+    let sampling = &report.sampling;
+    print!(
+        "  sampling: {} model calls, {:.2} s in the model",
+        sampling.steps,
+        sampling.model_time.as_secs_f64()
+    );
+    if sampling.draft_tokens > 0 {
+        print!(
+            ", {} of {} draft tokens accepted",
+            sampling.accepted_draft_tokens, sampling.draft_tokens
+        );
+    }
+    println!();
     println!("  generations: {}", report.generations.display());
     Ok(())
 }

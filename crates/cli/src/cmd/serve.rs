@@ -9,7 +9,7 @@ use std::time::Duration;
 use anyhow::bail;
 use floe_engine::policy::OptimizerPlacement;
 use floe_engine::Device;
-use floe_engine::{LocalEngineOptions, Recompute};
+use floe_engine::{LocalEngineOptions, NgramSpec, Recompute};
 use floe_server::{ApiKeys, Auth, Catalog, SampleBatchLimits, ServerConfig};
 
 /// Environment variable with comma-separated accepted API keys.
@@ -70,6 +70,11 @@ pub struct Args {
     /// memory (an 8B model on one 80 GB card).
     #[arg(long)]
     offload_optimizer: bool,
+    /// Speculative decoding with prompt-lookup drafts of up to K tokens, matching the
+    /// last 3 down to 1 tokens: the same samples in fewer model calls when outputs repeat
+    /// their prompt (`engine.speculative_ngram`).
+    #[arg(long, value_name = "K")]
+    speculative_ngram: Option<usize>,
     /// Seconds `retrieve_future` holds a poll before answering `try_again`.
     #[arg(long, default_value_t = 30)]
     long_poll_secs: u64,
@@ -144,6 +149,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             } else {
                 OptimizerPlacement::Device
             },
+            speculative_ngram: args.speculative_ngram.map(NgramSpec::with_max_draft),
             ..LocalEngineOptions::default()
         },
         long_poll: Duration::from_secs(args.long_poll_secs),
