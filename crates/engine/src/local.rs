@@ -421,6 +421,19 @@ impl<B: Backend> LocalEngine<B> {
         &self.options
     }
 
+    /// The sampler with what it samples from, outside [`Engine::overlap`].
+    fn sampling_view(&mut self) -> SamplingView<'_, B> {
+        SamplingView {
+            sampler: self
+                .sampler
+                .as_mut()
+                .expect("the sampler is lent out only inside overlap"),
+            model: self.policy.model(),
+            config: &self.sampler_config,
+            tokenizer: &self.tokenizer,
+        }
+    }
+
     /// The sampler's work counters since it was last built (reports, benchmarks).
     pub fn sampler_stats(&self) -> &SamplerStats {
         self.sampler
@@ -669,16 +682,7 @@ impl<B: Backend> Engine for LocalEngine<B> {
         requests: Vec<SampleRequest>,
         on_generation: &mut dyn FnMut(Generation),
     ) -> Result<()> {
-        let mut view = SamplingView {
-            sampler: self
-                .sampler
-                .as_mut()
-                .expect("the sampler is lent out only inside overlap"),
-            model: self.policy.model(),
-            config: &self.sampler_config,
-            tokenizer: &self.tokenizer,
-        };
-        verbs::SamplingSide::sample(&mut view, requests, on_generation)
+        verbs::SamplingSide::sample(&mut self.sampling_view(), requests, on_generation)
     }
 
     fn sample_streaming(
@@ -686,16 +690,7 @@ impl<B: Backend> Engine for LocalEngine<B> {
         requests: Vec<SampleRequest>,
         on_event: &mut dyn FnMut(SampleEvent<'_>),
     ) -> Result<()> {
-        let mut view = SamplingView {
-            sampler: self
-                .sampler
-                .as_mut()
-                .expect("the sampler is lent out only inside overlap"),
-            model: self.policy.model(),
-            config: &self.sampler_config,
-            tokenizer: &self.tokenizer,
-        };
-        view.run(requests, |sampler, model| {
+        self.sampling_view().run(requests, |sampler, model| {
             sampler.run_streaming(model, on_event)
         })
     }
