@@ -14,6 +14,8 @@
 #   peers   ../shared/bench/peer_torch.py: generate with --compile (batch 256, 256+256) and
 #           train with Liger (8 × 2048, checkpointing; installs the wheel)
 #   long    one 32768-token sequence, new and base, and Liger (after peers)
+#   spec    speculative decoding (n-gram drafts, K=4) against it off, 1.7B, batch 64
+#           256+256, greedy and temperature 1
 #   host    the host's memory bandwidth and torch's fused CPU AdamW (host_bandwidth.py),
 #           the bound on the offloaded optimizer
 #
@@ -95,6 +97,13 @@ if part long; then
     TAIL=8 run 100 "$f" bench train --device cuda:0 --model 1.7B --random-init --batch 1 --seq 32768 --iters 2 --warmup 1
   done
   run 100 python3 peer_torch.py --model 1.7B --mode train --batch 1 --seq 32768 --iters 2 --warmup 1 --liger
+fi
+if part spec; then
+  for t in 0 1; do
+    for spec in "" "--speculative-ngram 4"; do
+      TAIL=8 run 100 ./floe bench generate --device cuda:0 --model 1.7B --random-init --batch 64 --prompt 256 --new 256 --temperature $t $spec
+    done
+  done
 fi
 if part host; then
   run 90 python3 host_bandwidth.py
