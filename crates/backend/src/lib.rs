@@ -227,6 +227,18 @@ pub trait Backend: Send + Sync + 'static {
     /// True when Compute and Full buffers share one storage type (the CPU backend): the
     /// weights then need no separate master copy.
     fn compute_is_full(&self) -> bool;
+    /// A second queue of ops on the same device: ops called on the result may run at the
+    /// same time as ops called on `self`. Buffers of either are valid on both, but the two
+    /// queues are ordered only by [`Backend::wait_for`]. The one-step-off pipeline samples
+    /// on one while it trains on the other (`docs/async-pipeline.md`).
+    fn fork(&self) -> Result<Self>
+    where
+        Self: Sized;
+    /// Ops called on `self` after this start only after every op called on `other` before
+    /// it has finished (`other` is a [`Backend::fork`] of `self`, or `self` of it).
+    fn wait_for(&self, other: &Self) -> Result<()>
+    where
+        Self: Sized;
 
     // ---- buffers ---------------------------------------------------------------------
 

@@ -305,6 +305,9 @@ pub struct LocalEngine<B: Backend> {
     admission: Option<Reservation>,
     /// The data-parallel group this engine is one rank of, if any.
     data_parallel: Option<DataParallel<B>>,
+    /// The second queue [`Engine::overlap`] samples on ([`Backend::fork`] of the policy's
+    /// backend: on CUDA a stream with its own cuBLAS handle), made on first use.
+    sampling_backend: Option<Arc<B>>,
 }
 
 impl<B: Backend> LocalEngine<B> {
@@ -398,6 +401,7 @@ impl<B: Backend> LocalEngine<B> {
             plan,
             admission,
             data_parallel,
+            sampling_backend: None,
         })
     }
 
@@ -442,16 +446,24 @@ impl<B: Backend> LocalEngine<B> {
             .stats()
     }
 
-    /// Whether [`Engine::overlap`] runs its sides on two threads: on the CPU, whose
-    /// backend keeps no state between ops (both threads share rayon's pool), for a
-    /// full-weight policy of one rank. Elsewhere it runs them one after the other: CUDA
-    /// has one stream and one cuBLAS handle for every call (a sampling stream is the
-    /// missing piece, `docs/async-pipeline.md`), a LoRA policy's adapters are not in the
-    /// shared handle, and a data-parallel rank keeps its collectives on one thread.
+    /// Whether [`Engine::overlap`] runs its sides on two threads, each on its own queue of
+    /// the device ([`Backend::fork`]: on the CPU both share rayon's pool, on CUDA each has
+    /// a stream and cuBLAS handle): for a full-weight policy of one rank. Elsewhere it runs
+    /// them one after the other: a LoRA policy's adapters are not in the shared handle,
+    /// and a data-parallel rank keeps its collectives on one thread.
     fn overlaps_sampling(&self) -> bool {
-        self.options.device == Device::Cpu
-            && self.policy.model().lora_config().is_none()
-            && self.data_parallel.is_none()
+        self.policy.model().lora_config().is_none() && self.data_parallel.is_none()
+    }
+
+    /// The queue the sampling side of [`Engine::overlap`] runs on.
+    fn sampling_backend(&mut self) -> Result<Arc<B>> {
+        if self.sampling_backend.is_none() {
+            let fork = self.policy.model().backend().fork()?;
+            self.sampling_backend = Some(Arc::new(fork));
+        }
+        Ok(Arc::clone(
+            self.sampling_backend.as_ref().expect("set above"),
+        ))
     }
 
     fn packing(&self) -> PackingConfig {
@@ -696,10 +708,13 @@ impl<B: Backend> Engine for LocalEngine<B> {
     }
 
     /// On two threads when [`LocalEngine::overlaps_sampling`]: the sampler generates from
-    /// a second handle on the policy's weight buffers ([`Transformer::share_base`], no
-    /// copy) while `training` runs on this thread. The handle is dropped before this
-    /// returns; while it lives, the weights could not be changed even by mistake (a
-    /// full-weight optimizer step on shared weights fails).
+    /// a second handle on the policy's weight buffers ([`Transformer::share_base_on`] the
+    /// sampling queue, no copy) while `training` runs on this thread. The sampling queue
+    /// starts after everything queued so far (the last optimizer step's weights), and
+    /// what is queued after this returns starts after the sampling (the next optimizer
+    /// step writes the weights it read). The handle is dropped before this returns; while
+    /// it lives, the weights could not be changed even by mistake (a full-weight
+    /// optimizer step on shared weights fails).
     fn overlap<RS: Send, RT>(
         &mut self,
         sampling: impl FnOnce(&mut dyn verbs::SamplingSide<Error = Error>) -> RS + Send,
@@ -708,7 +723,10 @@ impl<B: Backend> Engine for LocalEngine<B> {
         if !self.overlaps_sampling() {
             return Ok(one_after_the_other(self, sampling, training));
         }
-        let weights = self.policy.model().share_base()?;
+        let queue = self.sampling_backend()?;
+        let training_queue = Arc::clone(self.policy.model().backend());
+        queue.wait_for(&training_queue)?;
+        let weights = self.policy.model().share_base_on(Arc::clone(&queue))?;
         let mut sampler = self
             .sampler
             .take()
@@ -729,6 +747,7 @@ impl<B: Backend> Engine for LocalEngine<B> {
         });
         drop(weights);
         self.sampler = Some(sampler);
+        training_queue.wait_for(&queue)?;
         let sampled = sampled.unwrap_or_else(|panic| std::panic::resume_unwind(panic));
         Ok((sampled, trained))
     }

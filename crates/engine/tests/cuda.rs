@@ -353,3 +353,106 @@ fn engines_beside_each_other_are_admitted_only_while_every_step_fits() {
     let mut d = AnyLocalEngine::open(source(), None, options(Some(1), 0.95)).unwrap();
     sft_step(&mut d, tokens - 8);
 }
+
+#[test]
+fn overlap_on_two_streams_equals_the_verbs_one_after_the_other() {
+    use floe_engine::{
+        AnyLocalEngine, Device, Engine, LocalEngineOptions, Loss, ModelSource, SequenceGroup,
+        TrainGroup, TrainResponse, Weights,
+    };
+    if let Err(e) = CudaBackend::new(0).map(|_gpu| ()) {
+        eprintln!("skipping the CUDA overlap test: {e}");
+        return;
+    }
+    let open = || {
+        let source = ModelSource::Random {
+            config: model_config(),
+            seed: 3,
+        };
+        let options = LocalEngineOptions {
+            device: Device::Cuda(0),
+            kv_cache_bytes: Some(64 << 20),
+            ..LocalEngineOptions::default()
+        };
+        AnyLocalEngine::open(source, None, options).unwrap()
+    };
+    let response = |r: u32| -> Vec<u32> { (0..40).map(|i| 2 + (i * 7 + r * 13) % 500).collect() };
+    let groups = vec![SequenceGroup {
+        prompt: (1..30).collect(),
+        responses: (0..3).map(response).collect(),
+        targets: None,
+    }];
+    let train = vec![TrainGroup {
+        prompt: groups[0].prompt.clone(),
+        responses: groups[0]
+            .responses
+            .iter()
+            .map(|tokens| TrainResponse {
+                targets: None,
+                tokens: tokens.clone(),
+                loss_mask: vec![1.0; tokens.len()],
+                advantages: vec![0.0; tokens.len()],
+                old_logprobs: vec![0.0; tokens.len()],
+                rollout_logprobs: None,
+                ref_logprobs: None,
+            })
+            .collect(),
+    }];
+    let optim = floe_engine::policy::OptimParams {
+        lr: 1e-3,
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+        weight_decay: 0.0,
+        max_grad_norm: 1.0,
+    };
+    let collect = |sampled: &mut Vec<Generation>| {
+        sampled.sort_by_key(|g| (g.request_id, g.sample_index));
+        sampled
+            .iter()
+            .map(|g| (g.tokens.clone(), g.logprobs.clone()))
+            .collect::<Vec<_>>()
+    };
+
+    // One after the other, through the plain verbs.
+    let mut apart = open();
+    let mut sampled_apart = Vec::new();
+    apart
+        .sample(requests(), &mut |g| sampled_apart.push(g))
+        .unwrap();
+    let scored_apart = apart.forward(&groups, Weights::Policy, 1.0).unwrap();
+    let loss_apart = apart
+        .forward_backward(&train, &Loss::CrossEntropy, 1.0)
+        .unwrap();
+    apart.optim_step(&optim).unwrap();
+
+    // Overlapped: sampling on a second stream and thread, training on this one.
+    let mut together = open();
+    let (sampled, (scored, loss)) = together
+        .overlap(
+            |sampler| {
+                let mut sampled = Vec::new();
+                sampler
+                    .sample(requests(), &mut |g| sampled.push(g))
+                    .map(|()| sampled)
+            },
+            |trainer| {
+                let scored = trainer.forward(&groups, Weights::Policy, 1.0).unwrap();
+                let loss = trainer.forward_backward(&train, &Loss::CrossEntropy, 1.0);
+                (scored, loss.unwrap())
+            },
+        )
+        .unwrap();
+    // The same kernels on the same inputs: equal bits whichever stream ran them.
+    assert_eq!(collect(&mut sampled.unwrap()), collect(&mut sampled_apart));
+    assert_eq!(scored, scored_apart);
+    assert_eq!(loss, loss_apart);
+    // The optimizer step waits for the sampling stream and applies as it does apart.
+    together.optim_step(&optim).unwrap();
+    assert_eq!(
+        together.forward(&groups, Weights::Policy, 1.0).unwrap(),
+        apart.forward(&groups, Weights::Policy, 1.0).unwrap()
+    );
+    // The sampler came back: a plain sample call works after the overlap.
+    together.sample(requests(), &mut |_| {}).unwrap();
+}

@@ -639,16 +639,21 @@ impl<B: Backend> Transformer<B> {
     /// weights are shared, neither model may change them (full-weight optimizer steps
     /// and [`Transformer::load_host_weights`] fail); adapters train freely.
     pub fn share_base(&self) -> Result<Self> {
+        self.share_base_on(Arc::clone(&self.backend))
+    }
+
+    /// [`Transformer::share_base`] whose ops run on `backend`, a [`Backend::fork`] of this
+    /// model's: the one-step-off pipeline samples from it while this model trains. The
+    /// caller orders the two queues ([`Backend::wait_for`]).
+    pub fn share_base_on(&self, backend: Arc<B>) -> Result<Self> {
         Ok(Self {
-            backend: Arc::clone(&self.backend),
+            inv_freq: backend.upload(&rope_inv_freq(&self.config), BufKind::Full)?,
+            backend,
             config: self.config.clone(),
             params: Arc::clone(&self.params),
             compute: self.compute.clone(),
             grads: None,
             lora: None,
-            inv_freq: self
-                .backend
-                .upload(&rope_inv_freq(&self.config), BufKind::Full)?,
             recomputed_layers: self.recomputed_layers,
             acts: None,
             lm_head_chunk_logits: self.lm_head_chunk_logits,

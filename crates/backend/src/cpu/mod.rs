@@ -264,6 +264,16 @@ impl<T: CpuFloat> Backend for CpuBackend<T> {
         true
     }
 
+    /// The CPU backend keeps no state between ops: a fork is another handle on rayon's
+    /// pool, and every op has finished when its call returns.
+    fn fork(&self) -> Result<Self> {
+        Ok(Self::new())
+    }
+
+    fn wait_for(&self, _other: &Self) -> Result<()> {
+        Ok(())
+    }
+
     // ---- buffers -----------------------------------------------------------------------
 
     fn element_bytes(&self, kind: BufKind) -> usize {

@@ -282,9 +282,17 @@ impl CudaBackend {
             )));
         }
         let ctx = CudaContext::new(ordinal)?;
-        // One stream orders every op, so cudarc's per-buffer events are pure overhead.
-        // SAFETY: no buffer of this context is shared with another stream.
+        // Each backend's stream orders its own ops, and forks of it are ordered by
+        // `wait_for` alone, so cudarc's per-buffer events are pure overhead.
+        // SAFETY: a buffer is used on another backend's stream only after that stream
+        // waits for this one (`Backend::wait_for`), and the reverse.
         unsafe { ctx.disable_event_tracking() };
+        Self::on_new_stream(ctx)
+    }
+
+    /// A backend on a new stream of `ctx`, with its own cuBLAS handle and workspace (a
+    /// handle must not be used by two host threads at once) and its own module handles.
+    pub(crate) fn on_new_stream(ctx: Arc<CudaContext>) -> Result<Self> {
         let stream = ctx.new_stream()?;
         let blas = CudaBlas::new(stream.clone())?;
         let workspace = stream.alloc_zeros::<u8>(BLAS_WORKSPACE_BYTES)?;

@@ -2,6 +2,8 @@
 //! the host, then one or a few kernel launches (or cuBLAS calls) per op, all on the
 //! backend's stream.
 
+use std::sync::Arc;
+
 use cudarc::driver::LaunchConfig;
 
 use super::attention::{self, dkdv_shared_bytes, forward_shared_bytes, work_lists, THREADS};
@@ -226,6 +228,15 @@ impl Backend for CudaBackend {
 
     fn compute_is_full(&self) -> bool {
         false
+    }
+
+    fn fork(&self) -> Result<Self> {
+        Self::on_new_stream(Arc::clone(&self.ctx))
+    }
+
+    fn wait_for(&self, other: &Self) -> Result<()> {
+        self.stream.join(&other.stream)?;
+        Ok(())
     }
 
     // ---- buffers ---------------------------------------------------------------------
