@@ -41,6 +41,14 @@ pub enum Error {
         /// What happened, naming the ranks concerned.
         msg: String,
     },
+    /// The backend does not implement a mode it was asked for.
+    #[error("{backend} does not implement {mode}")]
+    Unsupported {
+        /// The backend, as [`crate::Backend::name`] describes it.
+        backend: String,
+        /// The mode, e.g. `batch-invariant kernels`.
+        mode: &'static str,
+    },
     /// floe was built without the `cuda` feature.
     #[error("this floe was built without CUDA support; rebuild with `--features cuda`")]
     NotCompiledWithCuda,

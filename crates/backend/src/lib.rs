@@ -240,6 +240,42 @@ pub trait Backend: Send + Sync + 'static {
     where
         Self: Sized;
 
+    // ---- batch invariance ------------------------------------------------------------
+
+    /// Whether the ops on the log-prob path are in their batch-invariant form (see
+    /// [`Backend::set_batch_invariant`]).
+    fn batch_invariant(&self) -> bool {
+        false
+    }
+    /// Puts the ops on the log-prob path in their batch-invariant form (`on`) or back in
+    /// their fastest form. Batch invariant, each output row of these ops is a fixed
+    /// function of that row's inputs, computed by one fixed sequence of float operations
+    /// whatever the other rows, their number, the chunking, or whether attention runs
+    /// packed or paged:
+    /// - [`Backend::matmul`] with `trans_a == false` and `trans_b == true` (`x·Wᵀ`, every
+    ///   product of the forward): row `r` of `C` from row `r` of `A` and `B`;
+    /// - [`Backend::rmsnorm_forward`], [`Backend::rope`], [`Backend::swiglu_forward`],
+    ///   embedding and the elementwise ops (row by row in every mode);
+    /// - [`Backend::attention_forward`] and [`Backend::paged_attention`]: a query at
+    ///   position `p` reduces over its keys `0..=p` in position order, the same in both;
+    /// - [`Backend::lm_head_forward`]: logits by the product above (unscaled), times
+    ///   `logit_scale`, then the row's log-softmax;
+    /// - [`Backend::sample`]: a row's [`Sampled::logprob`] is that same log-softmax of
+    ///   its logits times `1 / temperature` (1 for greedy rows).
+    ///
+    /// Hence a token's sampled log-prob equals, bit for bit, the one the training
+    /// forward computes for it (`docs/exact-logprobs.md`). The default refuses `on`
+    /// with [`Error::Unsupported`]: a backend must implement the form to offer it.
+    fn set_batch_invariant(&self, on: bool) -> Result<()> {
+        if on {
+            return Err(Error::Unsupported {
+                backend: self.name(),
+                mode: "batch-invariant kernels (set engine.exact_logprobs = false)",
+            });
+        }
+        Ok(())
+    }
+
     // ---- buffers ---------------------------------------------------------------------
 
     /// Bytes one element of a buffer of `kind` takes in device memory (for memory

@@ -95,6 +95,11 @@ pub struct LocalEngineOptions {
     pub max_running_seqs: usize,
     /// Speculative decoding with prompt-lookup drafts (`engine.speculative_ngram`).
     pub speculative_ngram: Option<NgramSpec>,
+    /// Batch-invariant kernels on the log-prob path (`engine.exact_logprobs`): a sampled
+    /// token's log-prob equals, bit for bit, the one `forward` and `forward_backward`
+    /// compute for it (`docs/exact-logprobs.md`). The CPU has them; a device without
+    /// them refuses the engine.
+    pub exact_logprobs: bool,
     /// Seed of sampling requests that bring none.
     pub seed: u64,
     /// Storage dtype of [`Engine::export_hf`].
@@ -119,6 +124,7 @@ impl Default for LocalEngineOptions {
             max_tokens_per_step: 2048,
             max_running_seqs: 256,
             speculative_ngram: None,
+            exact_logprobs: false,
             seed: 0,
             export_dtype: SaveDType::BF16,
             optimizer_placement: OptimizerPlacement::Device,
@@ -362,6 +368,21 @@ impl<B: Backend> LocalEngine<B> {
             )));
         }
         let (model, lora) = source.shape()?;
+        if options.exact_logprobs && lora.as_ref().is_some_and(|l| l.train_unembed) {
+            // Sampling adds the unembed adapter's term to the logits, training merges it
+            // into the weight: two products, two roundings.
+            return Err(Error::InvalidRequest(
+                "exact_logprobs with a LoRA unembed adapter: the sampler and the trainer \
+                 apply it differently; set train_unembed = false or exact_logprobs = false"
+                    .into(),
+            ));
+        }
+        backend
+            .set_batch_invariant(options.exact_logprobs)
+            .map_err(|source| Error::Device {
+                device: options.device.to_string(),
+                source,
+            })?;
         // One engine at a time is built on a GPU, planning with what the others leave.
         let gate = match options.device {
             Device::Cuda(ordinal) => Some(Gate::enter(ordinal)),

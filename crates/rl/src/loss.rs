@@ -153,6 +153,13 @@ pub fn compute_policy_loss(
         masked_mean(&|t| inputs.old_logprobs[t] - inputs.logprobs[t]),
     );
     metrics.insert(
+        names::POLICY_PPO_LOG_RATIO_ABS_MAX.into(),
+        (0..n)
+            .filter(|&t| valid(t))
+            .map(|t| (inputs.logprobs[t] - inputs.old_logprobs[t]).abs())
+            .fold(0.0, f64::max),
+    );
+    metrics.insert(
         names::POLICY_CLIPFRAC.into(),
         masked_mean(&|t| f64::from(u8::from(surrogate.clipped_t[t]))),
     );

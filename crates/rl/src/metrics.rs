@@ -67,6 +67,9 @@ pub mod names {
     pub const POLICY_FINAL_LOSS: &str = "policy/final_loss";
     /// Masked mean of `logπ_old − logπ`.
     pub const POLICY_PPO_KL: &str = "policy/ppo_kl";
+    /// Largest `|logπ − logπ_old|` over valid tokens: 0 when the ratio is exactly 1 on
+    /// every token (the first update of a step whose old log-probs are exact).
+    pub const POLICY_PPO_LOG_RATIO_ABS_MAX: &str = "policy/ppo_log_ratio_abs_max";
     /// Fraction of valid tokens where the clip bound was selected.
     pub const POLICY_CLIPFRAC: &str = "policy/clipfrac";
     /// Dual clip: fraction of valid tokens where `−c·A` was selected.

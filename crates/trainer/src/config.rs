@@ -581,6 +581,11 @@ pub struct EngineConfig {
     /// ngram_max = 3, ngram_min = 2 }`. The samples are the ones drawn without it; it
     /// saves model calls when outputs repeat their prompt. Unset: off.
     pub speculative_ngram: Option<NgramSpec>,
+    /// Batch-invariant kernels on the log-prob path: a sampled token's log-prob equals,
+    /// bit for bit, the one the training forward computes, so each step's old log-probs
+    /// are the sampler's and their forward is skipped (`docs/exact-logprobs.md`). The CPU
+    /// has them; CUDA refuses the run until it does.
+    pub exact_logprobs: bool,
 }
 
 impl Default for EngineConfig {
@@ -593,6 +598,7 @@ impl Default for EngineConfig {
             remote: None,
             offload_optimizer: false,
             speculative_ngram: None,
+            exact_logprobs: false,
         }
     }
 }
@@ -1237,6 +1243,13 @@ impl Config {
             .and_then(NgramSpec::problem)
         {
             problems.push(format!("engine.speculative_ngram.{problem}"));
+        }
+        if self.engine.exact_logprobs && self.engine.remote.is_some() {
+            problems.push(
+                "engine.exact_logprobs with engine.remote: the server's engine chooses its \
+                 kernels; leave exact_logprobs to the server's own settings"
+                    .into(),
+            );
         }
         let fraction = self.engine.memory_fraction;
         if !(fraction > 0.0 && fraction <= 1.0) {

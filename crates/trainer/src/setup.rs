@@ -64,6 +64,7 @@ pub fn engine_options(config: &Config) -> LocalEngineOptions {
         },
         seed: trainer.seed,
         speculative_ngram: config.engine.speculative_ngram,
+        exact_logprobs: config.engine.exact_logprobs,
         ..defaults
     }
 }

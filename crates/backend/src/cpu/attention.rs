@@ -7,11 +7,18 @@
 //! then runs as matrix products (`block_forward`, `block_backward`); the per-row softmax
 //! is the only scalar loop. Blocks run in parallel and write private outputs, which are
 //! scattered (and, for keys read by several blocks, summed) afterwards.
+//!
+//! Batch invariant ([`crate::Backend::set_batch_invariant`]), the forward computes each
+//! score row alone instead (`block_forward_invariant`): a query's keys are its
+//! positions `0..=p` in order, in a packed segment (prefix, then the segment's own tokens)
+//! as in the paged cache, and one fixed sequence of operations reduces over them, so the
+//! row's output does not depend on the block it was cut into, nor on packed vs paged.
 
 use rayon::prelude::*;
 
 use super::float::{dot, max, sum, CpuFloat};
 use super::gemm_serial;
+use super::invariant::fixed_dot;
 use crate::{AttnShape, Error, Matmul, Result, Segment};
 
 /// Most query tokens per block: bounds the score matrix and the work spent on keys past
@@ -228,7 +235,48 @@ fn block_forward<T: CpuFloat>(
     (out, lse)
 }
 
+/// [`block_forward`] one score row at a time, each by the same fixed sequence of
+/// operations over its visible keys: scores by [`fixed_dot`] then scaled, the softmax
+/// by [`max`] and [`sum`] (lanes by key index), and the output accumulated key by key
+/// in position order.
+fn block_forward_invariant<T: CpuFloat>(
+    s: &mut Scratch<T>,
+    len: usize,
+    heads: &Heads,
+    scale: T,
+) -> (Vec<T>, Vec<T>) {
+    let (d, group) = (heads.head_dim, heads.group);
+    let (m, n) = (len * group, s.keys.len());
+    let mut out = vec![T::ZERO; m * d];
+    let mut lse = Vec::with_capacity(m);
+    for (r, out_r) in out.chunks_exact_mut(d).enumerate() {
+        let q = &s.q[r * d..(r + 1) * d];
+        let seen = visible(r, group, len, n);
+        s.p.clear();
+        s.p.extend(
+            s.k.chunks_exact(d)
+                .take(seen)
+                .map(|k| fixed_dot(q, k) * scale),
+        );
+        let max = max(&s.p);
+        for x in s.p.iter_mut() {
+            *x = (*x - max).exp_vec();
+        }
+        let sum = sum(&s.p);
+        let inv = T::ONE / sum;
+        for (&e, v) in s.p.iter().zip(s.v.chunks_exact(d)) {
+            let p = e * inv;
+            for (o, &v) in out_r.iter_mut().zip(v) {
+                *o += p * v;
+            }
+        }
+        lse.push(max + sum.ln());
+    }
+    (out, lse)
+}
+
 /// Forward of packed causal attention; see [`crate::Backend::attention_forward`].
+/// `invariant` computes each query row alone (see the module docs).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn forward<T: CpuFloat>(
     out: &mut [T],
@@ -238,10 +286,16 @@ pub(crate) fn forward<T: CpuFloat>(
     v: &[T],
     segments: &[Segment],
     shape: AttnShape,
+    invariant: bool,
 ) {
     let heads = Heads::new(&shape);
     let scale = T::from_f32(shape.scale);
     let blocks = packed_blocks(segments, heads.kv_heads);
+    let block_forward = if invariant {
+        block_forward_invariant
+    } else {
+        block_forward
+    };
     let results: Vec<(Vec<T>, Vec<T>)> = blocks
         .par_iter()
         .map_init(Scratch::default, |s, (b, seg)| {
@@ -454,7 +508,8 @@ impl PagedIndex<'_> {
     }
 }
 
-/// Attention of each query token over its sequence's cached positions `0..=pos`.
+/// Attention of each query token over its sequence's cached positions `0..=pos`;
+/// `invariant` computes each query row alone (see the module docs).
 pub(crate) fn paged<T: CpuFloat>(
     out: &mut [T],
     q: &[T],
@@ -462,10 +517,16 @@ pub(crate) fn paged<T: CpuFloat>(
     v_cache: &[T],
     index: &PagedIndex<'_>,
     shape: AttnShape,
+    invariant: bool,
 ) -> Result<()> {
     let heads = Heads::new(&shape);
     let scale = T::from_f32(shape.scale);
     let blocks = index.blocks(heads.kv_heads);
+    let block_forward = if invariant {
+        block_forward_invariant
+    } else {
+        block_forward
+    };
     let results: Vec<Vec<T>> = blocks
         .par_iter()
         .map_init(Scratch::default, |s, b| -> Result<Vec<T>> {
@@ -569,13 +630,32 @@ mod tests {
         (307, segments, keys)
     }
 
-    fn packed_forward(q: &[f64], k: &[f64], v: &[f64], segments: &[Segment]) -> [Vec<f64>; 2] {
+    fn packed_forward_in<F: CpuFloat>(
+        q: &[F],
+        k: &[F],
+        v: &[F],
+        segments: &[Segment],
+        invariant: bool,
+    ) -> [Vec<F>; 2] {
         let (hq, _, d) = SHAPE;
         let tokens = q.len() / (hq * d);
-        let mut out = vec![0.0; q.len()];
-        let mut lse = vec![0.0; tokens * hq];
-        forward(&mut out, &mut lse, q, k, v, segments, shape(tokens));
+        let mut out = vec![F::ZERO; q.len()];
+        let mut lse = vec![F::ZERO; tokens * hq];
+        forward(
+            &mut out,
+            &mut lse,
+            q,
+            k,
+            v,
+            segments,
+            shape(tokens),
+            invariant,
+        );
         [out, lse]
+    }
+
+    fn packed_forward(q: &[f64], k: &[f64], v: &[f64], segments: &[Segment]) -> [Vec<f64>; 2] {
+        packed_forward_in(q, k, v, segments, false)
     }
 
     #[test]
@@ -584,12 +664,91 @@ mod tests {
         let (hq, hkv, d) = SHAPE;
         let q = values(tokens * hq * d, 1);
         let (k, v) = (values(tokens * hkv * d, 2), values(tokens * hkv * d, 3));
-        let [out, lse] = packed_forward(&q, &k, &v, &segments);
-        let want = naive(&q, &k, &v, &keys, 0.4_f32 as f64);
-        assert!(max_diff(&out, &want) < 1e-13, "{}", max_diff(&out, &want));
-        // The token outside every segment is left untouched.
-        assert!(out[305 * hq * d..306 * hq * d].iter().all(|&x| x == 0.0));
-        assert!(lse[305 * hq..306 * hq].iter().all(|&x| x == 0.0));
+        for invariant in [false, true] {
+            let [out, lse] = packed_forward_in(&q, &k, &v, &segments, invariant);
+            let want = naive(&q, &k, &v, &keys, 0.4_f32 as f64);
+            assert!(max_diff(&out, &want) < 1e-13, "{}", max_diff(&out, &want));
+            // The token outside every segment is left untouched.
+            assert!(out[305 * hq * d..306 * hq * d].iter().all(|&x| x == 0.0));
+            assert!(lse[305 * hq..306 * hq].iter().all(|&x| x == 0.0));
+        }
+    }
+
+    /// Batch invariant, in f32: a 150-token sequence attended packed (one segment, or
+    /// a 60-token prompt shared as the prefix of the rest) gives the same bits as paged
+    /// (one query at a time in reverse order, or the whole sequence as one prefill).
+    #[test]
+    fn invariant_rows_are_equal_packed_and_paged() {
+        let (hq, hkv, d) = SHAPE;
+        let tokens = 150;
+        let to_f32 = |x: Vec<f64>| x.into_iter().map(|x| x as f32).collect::<Vec<f32>>();
+        let q = to_f32(values(tokens * hq * d, 30));
+        let k = to_f32(values(tokens * hkv * d, 31));
+        let v = to_f32(values(tokens * hkv * d, 32));
+        let whole = [Segment {
+            start: 0,
+            len: 150,
+            prefix_start: 0,
+            prefix_len: 0,
+        }];
+        let shared = [
+            Segment {
+                start: 0,
+                len: 60,
+                prefix_start: 0,
+                prefix_len: 0,
+            },
+            Segment {
+                start: 60,
+                len: 90,
+                prefix_start: 0,
+                prefix_len: 60,
+            },
+        ];
+        let [packed, _] = packed_forward_in(&q, &k, &v, &whole, true);
+        assert!(packed_forward_in(&q, &k, &v, &shared, true)[0] == packed);
+        // The cache holds the keys in position order, blocks of 16 in a shuffled table.
+        let block_size = 16;
+        let table: Vec<u32> = (0..10).rev().collect();
+        let row = hkv * d;
+        let (mut k_cache, mut v_cache) = (vec![0.0; 160 * row], vec![0.0; 160 * row]);
+        for p in 0..tokens {
+            let slot = table[p / block_size] as usize * block_size + p % block_size;
+            k_cache[slot * row..][..row].copy_from_slice(&k[p * row..][..row]);
+            v_cache[slot * row..][..row].copy_from_slice(&v[p * row..][..row]);
+        }
+        let one_by_one: Vec<u32> = (0..150).rev().collect();
+        let prefill: Vec<u32> = (0..150).collect();
+        for token_pos in [one_by_one, prefill] {
+            let token_seq = vec![0; tokens];
+            let index = PagedIndex {
+                block_tables: &table,
+                max_blocks: 10,
+                block_size,
+                token_seq: &token_seq,
+                token_pos: &token_pos,
+                num_blocks: 10,
+            };
+            let q_paged: Vec<f32> = token_pos
+                .iter()
+                .flat_map(|&p| q[p as usize * hq * d..][..hq * d].to_vec())
+                .collect();
+            let mut out = vec![0.0; q.len()];
+            paged(
+                &mut out,
+                &q_paged,
+                &k_cache,
+                &v_cache,
+                &index,
+                shape(tokens),
+                true,
+            )
+            .unwrap();
+            for (t, &p) in token_pos.iter().enumerate() {
+                let want = &packed[p as usize * hq * d..][..hq * d];
+                assert!(out[t * hq * d..][..hq * d] == *want, "position {p}");
+            }
+        }
     }
 
     /// Directional finite differences of `L = Σ out · r` along random directions.
@@ -671,8 +830,6 @@ mod tests {
             token_pos: &token_pos,
             num_blocks,
         };
-        let mut out = vec![0.0; q.len()];
-        paged(&mut out, &q, &k_cache, &v_cache, &index, shape(tokens)).unwrap();
         // The naive reference reads the cache as a [slots, kv_heads, D] tensor.
         let keys: Vec<Vec<usize>> = (0..tokens)
             .map(|t| {
@@ -682,6 +839,11 @@ mod tests {
             })
             .collect();
         let want = naive(&q, &k_cache, &v_cache, &keys, 0.4_f32 as f64);
-        assert!(max_diff(&out, &want) < 1e-13, "{}", max_diff(&out, &want));
+        for invariant in [false, true] {
+            let mut out = vec![0.0; q.len()];
+            let shape = shape(tokens);
+            paged(&mut out, &q, &k_cache, &v_cache, &index, shape, invariant).unwrap();
+            assert!(max_diff(&out, &want) < 1e-13, "{}", max_diff(&out, &want));
+        }
     }
 }

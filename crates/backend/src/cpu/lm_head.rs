@@ -1,10 +1,15 @@
 //! The fused lm-head on the CPU: per chunk of rows, logits by one product, then
 //! log-prob, entropy and log-sum-exp per row; the backward recomputes the chunk's logits.
+//!
+//! Batch invariant, the logits come from the batch-invariant product, unscaled, and are
+//! then multiplied by `logit_scale`: the sampler's [`token_logprob`] takes the same steps
+//! from the cached forward's logits, so both get the same bits.
 
 use rayon::prelude::*;
 
 use super::float::{max, CpuFloat};
 use super::gemm;
+use super::invariant::matmul_xwt;
 use crate::{LmHead, Matmul};
 
 /// Rows `[start, start + rows)` of the chunk walk.
@@ -35,8 +40,22 @@ fn sums_f64<T: CpuFloat>(w: &[T], z: &[T], shift: T) -> (f64, f64) {
     (sum, weighted)
 }
 
-/// `logits[r, :] = logit_scale · hidden[r] · wᵀ` for one chunk.
-fn chunk_logits<T: CpuFloat>(logits: &mut [T], hidden: &[T], w: &[T], rows: usize, spec: &LmHead) {
+/// `logits[r, :] = logit_scale · hidden[r] · wᵀ` for one chunk; `invariant` forms it as
+/// `(hidden[r] · wᵀ) · logit_scale`, row by row (see the module docs).
+fn chunk_logits<T: CpuFloat>(
+    logits: &mut [T],
+    hidden: &[T],
+    w: &[T],
+    rows: usize,
+    spec: &LmHead,
+    invariant: bool,
+) {
+    if invariant {
+        matmul_xwt(logits, hidden, w, (rows, spec.vocab, spec.dim), false);
+        let scale = T::from_f32(spec.logit_scale);
+        logits.par_iter_mut().for_each(|z| *z *= scale);
+        return;
+    }
     let dims = Matmul {
         m: rows,
         n: spec.vocab,
@@ -54,7 +73,31 @@ fn chunk_logits<T: CpuFloat>(logits: &mut [T], hidden: &[T], w: &[T], rows: usiz
     );
 }
 
-/// See [`crate::Backend::lm_head_forward`]. Targets are already checked `< vocab`.
+/// Log-prob of `target`, entropy and log-sum-exp of one row of scaled logits `z`;
+/// `e` is scratch.
+fn row_stats<T: CpuFloat>(z: &[T], target: u32, e: &mut Vec<T>) -> (T, T, T) {
+    let max = max(z);
+    e.clear();
+    e.extend(z.iter().map(|&x| (x - max).exp_vec()));
+    // Sums over the vocabulary accumulate in f64 whatever T is: with 10⁵ terms, f32
+    // accumulation would cost digits the sampler (which works in f64) keeps.
+    let (sum, weighted) = sums_f64(e, z, max);
+    let row_lse = max + T::from_f64(sum.ln());
+    // H = −Σ p (z − lse) = lse − Σ p z = (lse − max) − Σ p (z − max).
+    let entropy = T::from_f64(sum.ln() - weighted / sum);
+    (z[target as usize] - row_lse, entropy, row_lse)
+}
+
+/// The log-prob of `target` that the batch-invariant [`forward`] computes for a row
+/// whose unscaled logits are `logits`: `logits · logit_scale`, then [`row_stats`].
+pub(crate) fn token_logprob<T: CpuFloat>(logits: &[T], logit_scale: f32, target: u32) -> T {
+    let scale = T::from_f32(logit_scale);
+    let z: Vec<T> = logits.iter().map(|&x| x * scale).collect();
+    row_stats(&z, target, &mut Vec::new()).0
+}
+
+/// See [`crate::Backend::lm_head_forward`]. Targets are already checked `< vocab`;
+/// `invariant` as in the module docs.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn forward<T: CpuFloat>(
     logprobs: &mut [T],
@@ -64,6 +107,7 @@ pub(crate) fn forward<T: CpuFloat>(
     w: &[T],
     targets: &[u32],
     spec: LmHead,
+    invariant: bool,
 ) {
     let (dim, vocab) = (spec.dim, spec.vocab);
     let mut logits = vec![T::ZERO; spec.chunk_rows.min(spec.tokens) * vocab];
@@ -75,6 +119,7 @@ pub(crate) fn forward<T: CpuFloat>(
             w,
             rows,
             &spec,
+            invariant,
         );
         let range = start..start + rows;
         z.par_chunks(vocab)
@@ -83,18 +128,7 @@ pub(crate) fn forward<T: CpuFloat>(
             .zip(lse[range.clone()].par_iter_mut())
             .zip(targets[range].par_iter())
             .for_each_init(Vec::new, |e, ((((z, lp), ent), lse), &target)| {
-                let max = max(z);
-                e.clear();
-                e.extend(z.iter().map(|&x| (x - max).exp_vec()));
-                // Sums over the vocabulary accumulate in f64 whatever T is: with 10⁵
-                // terms, f32 accumulation would cost digits the sampler (which works in
-                // f64) keeps.
-                let (sum, weighted) = sums_f64(e, z, max);
-                let row_lse = max + T::from_f64(sum.ln());
-                *lse = row_lse;
-                *lp = z[target as usize] - row_lse;
-                // H = −Σ p (z − lse) = lse − Σ p z = (lse − max) − Σ p (z − max).
-                *ent = T::from_f64(sum.ln() - weighted / sum);
+                (*lp, *ent, *lse) = row_stats(z, target, e);
             });
     }
 }
@@ -122,7 +156,9 @@ pub(crate) fn backward<T: CpuFloat>(
     for (start, rows) in chunks(&spec) {
         let h = &hidden[start * dim..(start + rows) * dim];
         let g = &mut grad[..rows * vocab];
-        chunk_logits(g, h, w, rows, &spec);
+        // The blocked product even when batch invariant: nothing read from the backward
+        // is a log-prob, and its logits differ from the forward's only by rounding.
+        chunk_logits(g, h, w, rows, &spec, false);
         g.par_chunks_mut(vocab)
             .enumerate()
             .for_each_init(Vec::new, |p, (r, g)| {

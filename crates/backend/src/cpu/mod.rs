@@ -11,9 +11,11 @@
 
 mod attention;
 mod float;
+mod invariant;
 mod lm_head;
 
 use std::marker::PhantomData;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use rayon::prelude::*;
 
@@ -41,17 +43,26 @@ pub enum CpuBuf<T> {
 }
 
 /// The CPU reference backend, generic over its float (`f32` by default).
-#[derive(Clone, Debug, Default)]
+#[derive(Debug, Default)]
 pub struct CpuBackend<T: CpuFloat = f32> {
+    /// See [`Backend::set_batch_invariant`].
+    batch_invariant: AtomicBool,
     _float: PhantomData<T>,
+}
+
+impl<T: CpuFloat> Clone for CpuBackend<T> {
+    fn clone(&self) -> Self {
+        Self {
+            batch_invariant: AtomicBool::new(self.batch_invariant()),
+            _float: PhantomData,
+        }
+    }
 }
 
 impl<T: CpuFloat> CpuBackend<T> {
     /// A backend on rayon's global thread pool.
     pub fn new() -> Self {
-        Self {
-            _float: PhantomData,
-        }
+        Self::default()
     }
 }
 
@@ -265,12 +276,22 @@ impl<T: CpuFloat> Backend for CpuBackend<T> {
     }
 
     /// The CPU backend keeps no state between ops: a fork is another handle on rayon's
-    /// pool, and every op has finished when its call returns.
+    /// pool (in the same batch-invariant mode), and every op has finished when its call
+    /// returns.
     fn fork(&self) -> Result<Self> {
-        Ok(Self::new())
+        Ok(self.clone())
     }
 
     fn wait_for(&self, _other: &Self) -> Result<()> {
+        Ok(())
+    }
+
+    fn batch_invariant(&self) -> bool {
+        self.batch_invariant.load(Ordering::Relaxed)
+    }
+
+    fn set_batch_invariant(&self, on: bool) -> Result<()> {
+        self.batch_invariant.store(on, Ordering::Relaxed);
         Ok(())
     }
 
@@ -478,7 +499,11 @@ impl<T: CpuFloat> Backend for CpuBackend<T> {
         let b = floats(OP, "b", b)?;
         let c = floats_mut(OP, "c", c)?;
         contract::matmul(c.len(), a.len(), b.len(), dims)?;
-        gemm(c, a, b, dims, accumulate, T::ONE);
+        if self.batch_invariant() && !dims.trans_a && dims.trans_b {
+            invariant::matmul_xwt(c, a, b, (dims.m, dims.n, dims.k), accumulate);
+        } else {
+            gemm(c, a, b, dims, accumulate, T::ONE);
+        }
         Ok(())
     }
 
@@ -751,7 +776,8 @@ impl<T: CpuFloat> Backend for CpuBackend<T> {
             segments,
             shape,
         )?;
-        attention::forward(out, lse, q, k, v, segments, shape);
+        let invariant = self.batch_invariant();
+        attention::forward(out, lse, q, k, v, segments, shape, invariant);
         Ok(())
     }
 
@@ -878,7 +904,15 @@ impl<T: CpuFloat> Backend for CpuBackend<T> {
             token_pos,
             num_blocks: k_cache.len() / block_elems,
         };
-        attention::paged(out, q, k_cache, v_cache, &index, shape)
+        attention::paged(
+            out,
+            q,
+            k_cache,
+            v_cache,
+            &index,
+            shape,
+            self.batch_invariant(),
+        )
     }
 
     // ---- SwiGLU ------------------------------------------------------------------------
@@ -961,7 +995,8 @@ impl<T: CpuFloat> Backend for CpuBackend<T> {
             Ids::Host(targets),
             spec,
         )?;
-        lm_head::forward(logprobs, entropy, lse, hidden, w, targets, spec);
+        let invariant = self.batch_invariant();
+        lm_head::forward(logprobs, entropy, lse, hidden, w, targets, spec, invariant);
         Ok(())
     }
 
@@ -1014,12 +1049,24 @@ impl<T: CpuFloat> Backend for CpuBackend<T> {
         const OP: &str = "sample";
         let logits = floats(OP, "logits", logits)?;
         contract::sample(logits.len(), vocab, rows.len())?;
+        let invariant = self.batch_invariant();
         Ok(logits
             .par_chunks(vocab)
             .zip(rows.par_iter())
             .map(|(z, row)| {
-                let z: Vec<f32> = z.iter().map(|x| x.to_f32()).collect();
-                sampling::sample_row(&z, row)
+                let z32: Vec<f32> = z.iter().map(|x| x.to_f32()).collect();
+                let mut sampled = sampling::sample_row(&z32, row);
+                if invariant {
+                    // The training forward's log-prob of this row, bit for bit.
+                    let logit_scale = if row.temperature > 0.0 {
+                        1.0 / row.temperature
+                    } else {
+                        1.0
+                    };
+                    sampled.logprob =
+                        lm_head::token_logprob(z, logit_scale, sampled.token).to_f32();
+                }
+                sampled
             })
             .collect())
     }

@@ -85,6 +85,10 @@ pub struct Args {
     /// last 3 down to 1 tokens (generate; `engine.speculative_ngram`).
     #[arg(long, value_name = "K")]
     speculative_ngram: Option<usize>,
+    /// Batch-invariant kernels on the log-prob path (`engine.exact_logprobs`), to
+    /// measure their cost.
+    #[arg(long)]
+    exact_logprobs: bool,
     /// Timed iterations (train).
     #[arg(long, default_value_t = 5)]
     iters: usize,
@@ -193,6 +197,9 @@ fn bench<B: Backend>(
     if batches.contains(&0) {
         bail!("--batch must be positive");
     }
+    backend
+        .set_batch_invariant(args.exact_logprobs)
+        .context("--exact-logprobs")?;
     let device = backend.name();
     let params = config.num_parameters();
     let num_layers = config.num_hidden_layers;
@@ -373,6 +380,7 @@ fn bench_train<B: Backend>(
         "seq": args.seq,
         "recompute": args.recompute.to_string(),
         "offload_optimizer": args.offload_optimizer,
+        "exact_logprobs": args.exact_logprobs,
         "tok_s": tok_s,
         "step_s": step_s,
         "optim_s": optim_s,
@@ -438,6 +446,7 @@ fn bench_generate<B: Backend>(
         "seconds": seconds,
         "temperature": args.temperature,
         "speculative_ngram": args.speculative_ngram,
+        "exact_logprobs": args.exact_logprobs,
         "steps": stats.steps,
         "new_tokens_per_call": new_tokens as f64 / stats.steps as f64,
         "draft_tokens": stats.draft_tokens,

@@ -150,6 +150,12 @@ impl<E: Engine> Run<'_, E> {
             self.state.optimizer_steps,
             pipeline.max_staleness,
         );
+        // Exact log-probs of the current weights are the old log-probs as they are.
+        let old_from_sampler = self.config.engine.exact_logprobs
+            && policy_version == self.state.optimizer_steps
+            && trajs
+                .iter()
+                .all(|tr| tr.rollout_logprobs.len() == tr.response.len());
 
         if num_prompts > 0 {
             // 2. Old (and reference) log-probs under the current weights → rewards
@@ -172,6 +178,7 @@ impl<E: Engine> Run<'_, E> {
                         policy_loss,
                         mini_batch_size,
                         first_trains,
+                        old_from_sampler,
                     },
                     kl,
                     &trajs,
@@ -551,6 +558,10 @@ struct UpdateInputs<'a> {
     mini_batch_size: usize,
     /// Whether the first mini-batch trains (it is not too stale).
     first_trains: bool,
+    /// The rollouts' log-probs are exact and of the current weights
+    /// (`engine.exact_logprobs`, sampled since the last optimizer step): they are the old
+    /// log-probs, and the forward that would recompute them is skipped.
+    old_from_sampler: bool,
 }
 
 /// What the update needs from [`prepare_update`].
@@ -580,9 +591,23 @@ fn prepare_update<X: std::error::Error + Send + Sync + 'static>(
     let start = Instant::now();
     let groups_g = sequence_groups(trajs, num_prompts)?;
     let temperature = inputs.temperature;
-    let old_g = trainer
-        .forward(&groups_g, Weights::Policy, temperature)
-        .map_err(Error::verb("forward"))?;
+    let old_logprobs_t = if inputs.old_from_sampler {
+        // Tokens the sampler did not draw (observations) carry 0; their loss mask is 0,
+        // so nothing reads them.
+        trajs
+            .iter()
+            .flat_map(|tr| tr.rollout_logprobs.iter().copied())
+            .collect()
+    } else {
+        let old_g = trainer
+            .forward(&groups_g, Weights::Policy, temperature)
+            .map_err(Error::verb("forward"))?;
+        // Trajectories are ordered (prompt, sample), the same order as the flattened
+        // groups.
+        let old_logprobs_t = flat_logprobs(&old_g);
+        metrics.extend(rollout_train_logprob_diff(trajs, &old_logprobs_t));
+        old_logprobs_t
+    };
     let ref_g = if uses_reference(inputs.algorithm) {
         Some(
             trainer
@@ -593,9 +618,6 @@ fn prepare_update<X: std::error::Error + Send + Sync + 'static>(
         None
     };
     metrics.insert("timing/fwd_logprobs".into(), start.elapsed().as_secs_f64());
-    // Trajectories are ordered (prompt, sample), the same order as the flattened groups.
-    let old_logprobs_t = flat_logprobs(&old_g);
-    metrics.extend(rollout_train_logprob_diff(trajs, &old_logprobs_t));
     let ref_logprobs_t = ref_g.as_deref().map(flat_logprobs);
     let advantages = advantages(
         inputs.algorithm,
@@ -627,6 +649,13 @@ fn prepare_update<X: std::error::Error + Send + Sync + 'static>(
         ),
         _ => None,
     };
+    if let (true, Some(first)) = (inputs.old_from_sampler, &first) {
+        // The first update's train log-probs against the sampler's: the rollout-vs-train
+        // difference, measured on the first mini-batch (0 when exact).
+        if let Some(&max) = first.metrics.get(names::POLICY_PPO_LOG_RATIO_ABS_MAX) {
+            metrics.insert(ROLLOUT_TRAIN_ABS_DIFF_MAX.into(), max);
+        }
+    }
     Ok(Prepared {
         train_g,
         first,
@@ -836,6 +865,9 @@ fn advantages(
 /// How far the sampler's log-probs of the response tokens are from the trainer's under the
 /// same weights (`policy/rollout_train_logprobs_abs_diff_{mean,max}` over loss-masked
 /// tokens): near 0 unless the two paths disagree. Empty when some trajectory has none.
+/// Largest |sampler log-prob − trainer log-prob| over a step's valid tokens.
+const ROLLOUT_TRAIN_ABS_DIFF_MAX: &str = "policy/rollout_train_logprobs_abs_diff_max";
+
 fn rollout_train_logprob_diff(trajs: &[Trajectory], train_t: &[f64]) -> BTreeMap<String, f64> {
     if trajs
         .iter()
@@ -862,10 +894,7 @@ fn rollout_train_logprob_diff(trajs: &[Trajectory], train_t: &[f64]) -> BTreeMap
             "policy/rollout_train_logprobs_abs_diff_mean".to_string(),
             sum / count as f64,
         ),
-        (
-            "policy/rollout_train_logprobs_abs_diff_max".to_string(),
-            max,
-        ),
+        (ROLLOUT_TRAIN_ABS_DIFF_MAX.to_string(), max),
     ])
 }
 
