@@ -971,7 +971,8 @@ mod tests {
                         let backend = Arc::new(CpuBackend::<f32>::new());
                         let model = Transformer::new_random(backend, tiny_config(), 7).unwrap();
                         let mut policy = Policy::new(model);
-                        let batch = PackedBatch::from_sequences(&[tokens.clone()]).unwrap();
+                        let batch =
+                            PackedBatch::from_sequences(std::slice::from_ref(tokens)).unwrap();
                         let rows = batch.len();
                         policy
                             .forward_backward(&batch, 1.0, &mut |_| {

@@ -107,6 +107,11 @@ const RENDEZVOUS_TIMEOUT: Duration = Duration::from_secs(300);
 /// is refused, and so is a remote engine.
 pub fn train_with_registry(config: &Config, registry: Registry) -> Result<RunOutcome> {
     let world = World::from_env(None).map_err(|e| Error::DataParallel(e.to_string()))?;
+    train_in_world(config, registry, &world)
+}
+
+/// [`train_with_registry`] as this process's place in `world`.
+pub fn train_in_world(config: &Config, registry: Registry, world: &World) -> Result<RunOutcome> {
     if world.world_size == 1 {
         return train_as_rank(config, registry, None);
     }
@@ -126,7 +131,7 @@ pub fn train_with_registry(config: &Config, registry: Registry) -> Result<RunOut
              per GPU) or as one process"
         )));
     }
-    let group = DataParallelGroup::join_nccl(&world, RENDEZVOUS_TIMEOUT)?;
+    let group = DataParallelGroup::join_nccl(world, RENDEZVOUS_TIMEOUT)?;
     let mut config = config.clone();
     config.engine.device = group.device();
     train_as_rank(&config, registry, Some(group))

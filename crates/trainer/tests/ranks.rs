@@ -19,13 +19,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use floe_backend::InProcessCollective;
+use floe_dist::World;
 use floe_engine::{DataParallelGroup, RankExchange, TrainGroup, TrainResponse};
 use floe_env::env::{Env, EnvError, Registry, StepOutput};
 use floe_model::weights::load_model_dir;
 use floe_trainer::checkpoint::CHECKPOINTS_DIR;
 use floe_trainer::outputs::metrics::read_metrics;
 use floe_trainer::ranks::Ranks;
-use floe_trainer::run::{train_as_rank, RunOutcome};
+use floe_trainer::run::{train_as_rank, train_in_world, RunOutcome};
 use floe_trainer::Config;
 
 /// Samples per prompt.
@@ -316,4 +317,25 @@ fn a_mini_batch_is_split_in_whole_groups_even_with_fewer_groups_than_ranks() {
             }
         }
     }
+}
+
+#[test]
+fn ranks_in_separate_processes_on_the_cpu_are_refused_at_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let run_dir = dir.path().join("run");
+    let world = World {
+        rank: 1,
+        world_size: 2,
+        ..World::single()
+    };
+    let err = train_in_world(&config(&run_dir, 1, &[]), registry(), &world).expect_err("refused");
+    let message = err.to_string();
+    assert!(
+        message.contains("WORLD_SIZE=2") && message.contains("no collective across processes"),
+        "{message}"
+    );
+    assert!(
+        !run_dir.exists(),
+        "refused before touching the run directory"
+    );
 }
