@@ -193,6 +193,17 @@ pub fn copy_into(dst: usize, offset: usize, src: usize) -> Result<()> {
     ))
 }
 
+/// [`Backend::copy_from`].
+pub fn copy_from(dst: usize, src: usize, offset: usize) -> Result<()> {
+    if offset.checked_add(dst).is_some_and(|end| end <= src) {
+        return Ok(());
+    }
+    Err(shape_error(
+        "copy_from",
+        format!("`dst` of {dst} elements at offset {offset} overruns `src` of {src}"),
+    ))
+}
+
 /// [`Backend::add_assign`].
 pub fn add_assign(y: usize, x: usize) -> Result<()> {
     len("add_assign", "x", x, y)
@@ -676,5 +687,8 @@ mod tests {
         copy_into(4, 1, 3).unwrap();
         assert!(message(copy_into(4, 2, 3)).contains("overruns"));
         assert!(message(copy_into(4, usize::MAX, 1)).contains("overruns"));
+        copy_from(3, 4, 1).unwrap();
+        assert!(message(copy_from(3, 4, 2)).contains("overruns"));
+        assert!(message(copy_from(1, 4, usize::MAX)).contains("overruns"));
     }
 }

@@ -312,6 +312,8 @@ pub trait Backend: Send + Sync + 'static {
     fn copy(&self, dst: &mut Self::Buf, src: &Self::Buf) -> Result<()>;
     /// Writes `src` into `dst[offset .. offset + len(src)]` (same kind).
     fn copy_into(&self, dst: &mut Self::Buf, offset: usize, src: &Self::Buf) -> Result<()>;
+    /// Reads `src[offset .. offset + len(dst)]` into `dst` (same kind).
+    fn copy_from(&self, dst: &mut Self::Buf, src: &Self::Buf, offset: usize) -> Result<()>;
     /// Sets every element to zero.
     fn fill_zero(&self, buf: &mut Self::Buf) -> Result<()>;
     /// Element `i` of `buf` becomes `std · sampling::normal(seed, first + i)`, rounded to

@@ -210,6 +210,10 @@ fn elementwise_and_reductions() {
     let mut long = b.zeros(5, BufKind::Full).unwrap();
     b.copy_into(&mut long, 2, &z).unwrap();
     assert_eq!(down(&b, &long), vec![0.0, 0.0, 3.0, -3.0, 7.0]);
+    let mut piece = b.zeros(2, BufKind::Full).unwrap();
+    b.copy_from(&mut piece, &long, 3).unwrap();
+    assert_eq!(down(&b, &piece), vec![-3.0, 7.0]);
+    assert!(b.copy_from(&mut piece, &long, 4).is_err(), "overrun");
     b.fill_zero(&mut long).unwrap();
     assert_eq!(down(&b, &long), vec![0.0; 5]);
     assert_eq!(b.kind(&long), BufKind::Full);

@@ -132,6 +132,13 @@ fn buffers_round_trip_and_convert() {
         g.copy_into(&mut big, 9, &part).is_err(),
         "overrun must be refused"
     );
+    let mut piece = g.zeros(3, BufKind::Full).unwrap();
+    g.copy_from(&mut piece, &big, 6).unwrap();
+    assert_eq!(g.download(&piece).unwrap(), vec![0., 5., 6.]);
+    assert!(
+        g.copy_from(&mut piece, &big, 8).is_err(),
+        "overrun must be refused"
+    );
 
     let idx = g.upload_index(&[3, 1, 4, 1, 5]).unwrap();
     assert_eq!(g.download_index(&idx).unwrap(), vec![3, 1, 4, 1, 5]);

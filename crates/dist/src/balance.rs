@@ -69,6 +69,35 @@ pub fn balance_groups(groups: &[GroupShape], world_size: usize) -> Vec<Vec<Group
             },
         );
     }
+    assign(groups, pieces, world_size)
+}
+
+/// Assigns `groups` to `world_size` ranks as [`balance_groups`] does, but never splits a
+/// group: with fewer groups than ranks, the last ranks get none. What training needs
+/// where a loss reduction or an advantage reads a whole group (`prompt_mean`, the
+/// group statistics): a rank then holds all of each of its groups.
+pub fn balance_whole_groups(groups: &[GroupShape], world_size: usize) -> Vec<Vec<GroupPiece>> {
+    assert!(world_size > 0, "balance_whole_groups: world size 0");
+    let pieces = groups
+        .iter()
+        .enumerate()
+        .filter(|(_, g)| !g.response_tokens.is_empty())
+        .map(|(group, g)| GroupPiece {
+            group,
+            responses: 0..g.response_tokens.len(),
+        })
+        .collect();
+    assign(groups, pieces, world_size)
+}
+
+/// `pieces` to ranks, largest first onto the rank with the fewest tokens so far (ties:
+/// the lower rank); each rank's pieces in input order.
+fn assign(
+    groups: &[GroupShape],
+    pieces: Vec<GroupPiece>,
+    world_size: usize,
+) -> Vec<Vec<GroupPiece>> {
+    let tokens = |p: &GroupPiece| groups[p.group].tokens(p.responses.clone());
     let mut order: Vec<usize> = (0..pieces.len()).collect();
     order.sort_by_key(|&i| (std::cmp::Reverse(tokens(&pieces[i])), i));
     let mut load = vec![0usize; world_size];

@@ -4,7 +4,8 @@
 //! - [`World`]: rank, world size, local rank (the GPU) and rank 0's address, read from
 //!   the environment torchrun, `floe launch` or Slurm's `srun` sets.
 //! - [`rendezvous`]: rank 0 hands a blob (NCCL's unique id) to every other rank over TCP.
-//! - [`balance_groups`]: which rank trains (or samples) which sequence groups.
+//! - [`balance_groups`], [`balance_whole_groups`]: which rank trains (or samples) which
+//!   sequence groups.
 //! - [`FlatPartition`]: the ZeRO-3 split of a layer's tensors into equal shards per rank,
 //!   and [`reshard_reads`], how shards saved at one world size make shards at another.
 //!
@@ -18,7 +19,7 @@ mod partition;
 mod rendezvous;
 mod world;
 
-pub use balance::{balance_groups, GroupPiece, GroupShape};
+pub use balance::{balance_groups, balance_whole_groups, GroupPiece, GroupShape};
 pub use partition::{reshard_reads, FlatPartition, ShardCopy, TensorPiece};
 pub use rendezvous::{join, rendezvous, Master, RendezvousError};
 pub use world::{World, WorldError, DEFAULT_MASTER_PORT};

@@ -1,7 +1,9 @@
 //! The data-parallel plans: balanced groups per rank, the ZeRO-3 partition's round trip,
 //! and resharding a checkpoint to another world size.
 
-use floe_dist::{balance_groups, reshard_reads, FlatPartition, GroupPiece, GroupShape};
+use floe_dist::{
+    balance_groups, balance_whole_groups, reshard_reads, FlatPartition, GroupPiece, GroupShape,
+};
 use proptest::prelude::*;
 
 fn shape(prompt: usize, responses: &[usize]) -> GroupShape {
@@ -72,6 +74,26 @@ fn fewer_groups_than_ranks_split_the_largest() {
     // One response can't split: a rank stays empty.
     let ranks = balance_groups(&[shape(1, &[5])], 2);
     assert_eq!(ranks[1], vec![]);
+}
+
+#[test]
+fn whole_groups_never_split_and_leave_spare_ranks_empty() {
+    let groups = [shape(4, &[10, 10, 10, 30]), shape(4, &[1, 1])];
+    let whole = |g: usize, n: usize| GroupPiece {
+        group: g,
+        responses: 0..n,
+    };
+    assert_eq!(
+        balance_whole_groups(&groups, 3),
+        vec![vec![whole(0, 4)], vec![whole(1, 2)], vec![]]
+    );
+    // With enough groups it assigns as balance_groups does.
+    let many = [
+        shape(10, &[50, 50]),
+        shape(10, &[5, 5]),
+        shape(10, &[40, 40]),
+    ];
+    assert_eq!(balance_whole_groups(&many, 2), balance_groups(&many, 2));
 }
 
 fn groups_strategy() -> impl Strategy<Value = Vec<GroupShape>> {

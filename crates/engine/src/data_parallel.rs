@@ -27,10 +27,23 @@ use serde::{Deserialize, Serialize};
 use crate::verbs::ForwardBackwardOutput;
 use crate::{Error, Result};
 
+/// The ranks of a data-parallel group as one of them sees it: who it is, and an exact
+/// exchange of small values over the group's collective (a trainer's scored rollouts,
+/// log-probs and metrics). Every rank calls it at the same points, in the same order
+/// as its engine's training verbs.
+pub trait RankExchange: Send + Sync {
+    /// This rank, `0 .. world_size`.
+    fn rank(&self) -> usize;
+    /// Ranks in the group.
+    fn world_size(&self) -> usize;
+    /// Every rank's `bytes` (of any lengths), in rank order, the same on every rank.
+    fn all_gather_bytes(&self, bytes: &[u8]) -> Result<Vec<Vec<u8>>>;
+}
+
 /// One rank's place in a data-parallel group, with the backend its buffers live on.
 pub(crate) struct DataParallel<B: Backend> {
     pub(crate) collective: Arc<dyn Collective<B>>,
-    backend: Arc<B>,
+    pub(crate) backend: Arc<B>,
 }
 
 /// A rank's share of a mini-batch's [`GlobalNorm`], floats as bits.
@@ -64,26 +77,11 @@ impl<B: Backend> DataParallel<B> {
         let bytes = serde_json::to_vec(value).map_err(|e| {
             Error::InvalidRequest(format!("data parallel: encoding a rank's share: {e}"))
         })?;
-        let words: Vec<u32> = bytes
-            .chunks(4)
-            .map(|chunk| {
-                let mut word = [0u8; 4];
-                word[..chunk.len()].copy_from_slice(chunk);
-                u32::from_le_bytes(word)
-            })
-            .collect();
-        let world = self.collective.world_size();
-        // Lengths first: all_gather moves equal lengths, so shares are padded to the longest.
-        let lengths = self.gather_words(&[bytes.len() as u32])?;
-        let longest = lengths.iter().map(|&n| n as usize).max().unwrap_or(0);
-        let mut padded = words;
-        padded.resize(longest.div_ceil(4), 0);
-        let all = self.gather_words(&padded)?;
-        (0..world)
-            .map(|rank| {
-                let block = &all[rank * padded.len()..(rank + 1) * padded.len()];
-                let bytes: Vec<u8> = block.iter().flat_map(|w| w.to_le_bytes()).collect();
-                serde_json::from_slice(&bytes[..lengths[rank] as usize]).map_err(|e| {
+        self.all_gather_bytes(&bytes)?
+            .iter()
+            .enumerate()
+            .map(|(rank, bytes)| {
+                serde_json::from_slice(bytes).map_err(|e| {
                     Error::InvalidRequest(format!(
                         "data parallel: rank {rank}'s share does not decode: {e}"
                     ))
@@ -179,5 +177,46 @@ impl<B: Backend> DataParallel<B> {
             loss,
             metrics: reduce_micro_batch_metrics(&metrics),
         })
+    }
+}
+
+impl<B: Backend> RankExchange for DataParallel<B> {
+    fn rank(&self) -> usize {
+        self.collective.rank()
+    }
+
+    fn world_size(&self) -> usize {
+        self.collective.world_size()
+    }
+
+    /// Bytes travel as Index words (exact on every backend): the lengths first, since
+    /// `all_gather` moves equal lengths, then every rank's bytes padded to the longest.
+    fn all_gather_bytes(&self, bytes: &[u8]) -> Result<Vec<Vec<u8>>> {
+        let words: Vec<u32> = bytes
+            .chunks(4)
+            .map(|chunk| {
+                let mut word = [0u8; 4];
+                word[..chunk.len()].copy_from_slice(chunk);
+                u32::from_le_bytes(word)
+            })
+            .collect();
+        let len = u32::try_from(bytes.len()).map_err(|_| {
+            Error::InvalidRequest(format!(
+                "data parallel: {} bytes are too many for one exchange (at most 4 GiB)",
+                bytes.len()
+            ))
+        })?;
+        let lengths = self.gather_words(&[len])?;
+        let longest = lengths.iter().map(|&n| n as usize).max().unwrap_or(0);
+        let mut padded = words;
+        padded.resize(longest.div_ceil(4), 0);
+        let all = self.gather_words(&padded)?;
+        Ok((0..self.world_size())
+            .map(|rank| {
+                let block = &all[rank * padded.len()..(rank + 1) * padded.len()];
+                let bytes: Vec<u8> = block.iter().flat_map(|w| w.to_le_bytes()).collect();
+                bytes[..lengths[rank] as usize].to_vec()
+            })
+            .collect())
     }
 }

@@ -67,6 +67,9 @@ pub enum Error {
     /// Sampling failed.
     #[error(transparent)]
     Sample(#[from] crate::sampler::SampleError),
+    /// The ranks of a data-parallel job could not meet (`floe_dist::rendezvous`).
+    #[error("joining the data-parallel group: {0}")]
+    Rendezvous(#[from] floe_dist::RendezvousError),
     /// A file could not be read or written.
     #[error("{path}: {source}")]
     Io {

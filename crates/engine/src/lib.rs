@@ -97,12 +97,13 @@ pub mod speculative;
 pub mod stop;
 pub mod verbs;
 
+pub use data_parallel::RankExchange;
 pub use device::Device;
 pub use error::{Error, Result};
 pub use kv_blocks::{BlockManager, BlockTable, OutOfBlocks};
 pub use local::{
-    saved_model_dir, saved_weights_source, AdapterSource, AnyLocalEngine, LocalEngine,
-    LocalEngineOptions, ModelSource, SharedBase,
+    saved_model_dir, saved_weights_source, AdapterSource, AnyLocalEngine, DataParallelGroup,
+    LocalEngine, LocalEngineOptions, ModelSource, SharedBase,
 };
 pub use memory_plan::{Knob, KnobNames, MemoryPlan, PlanError, PlanInputs, Recompute};
 pub use packing::{

@@ -21,8 +21,9 @@ use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use floe_backend::cpu::CpuBackend;
-use floe_backend::cuda::CudaBackend;
-use floe_backend::{Backend, Collective};
+use floe_backend::cuda::{CudaBackend, NcclCollective};
+use floe_backend::{Backend, Collective, InProcessCollective};
+use floe_dist::World;
 use floe_model::batch::TokenStats;
 use floe_model::lora::{load_adapter_dir, read_adapter_config, LoraConfig};
 use floe_model::tokenizer::Tokenizer;
@@ -34,7 +35,7 @@ use floe_rl::tinker::{tinker_loss, TinkerInputs, TinkerLoss, TinkerLossConfig};
 use floe_rl::{compute_policy_loss, AlgorithmConfig, GlobalNorm, LossInputs};
 
 use crate::admission::{Gate, Reservation};
-use crate::data_parallel::DataParallel;
+use crate::data_parallel::{DataParallel, RankExchange};
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::memory_plan::{MemoryPlan, PlanInputs, Recompute};
@@ -1027,13 +1028,7 @@ impl AnyLocalEngine {
     ) -> Result<Self> {
         match options.device {
             Device::Cpu => {
-                if options.threads > 0 {
-                    // Fails only when the pool already exists (set by an earlier engine or
-                    // by the caller); the existing pool is then used.
-                    let _ = rayon::ThreadPoolBuilder::new()
-                        .num_threads(options.threads)
-                        .build_global();
-                }
+                set_cpu_threads(options.threads);
                 let backend = Arc::new(CpuBackend::<f32>::new());
                 let engine = LocalEngine::new(backend, source, tokenizer, options)?;
                 Ok(Self::Cpu(Box::new(engine)))
@@ -1046,6 +1041,126 @@ impl AnyLocalEngine {
                 let engine = LocalEngine::new(Arc::new(backend), source, tokenizer, options)?;
                 Ok(Self::Cuda(Box::new(engine)))
             }
+        }
+    }
+
+    /// [`AnyLocalEngine::open`] as rank `group.exchange().rank()` of a data-parallel
+    /// group ([`LocalEngine::new_data_parallel`]), on the group's device and backend;
+    /// `options.device` must be the group's.
+    pub fn open_data_parallel(
+        group: &DataParallelGroup,
+        source: ModelSource,
+        tokenizer: Option<Tokenizer>,
+        options: LocalEngineOptions,
+    ) -> Result<Self> {
+        if options.device != group.device {
+            return Err(Error::InvalidRequest(format!(
+                "the data-parallel group is on {} but the engine is asked for {}",
+                group.device, options.device
+            )));
+        }
+        match &group.ranks {
+            GroupRanks::Cpu(dp) => {
+                set_cpu_threads(options.threads);
+                let (backend, collective) = (Arc::clone(&dp.backend), Arc::clone(&dp.collective));
+                let engine = LocalEngine::new_data_parallel(
+                    backend, source, tokenizer, options, collective,
+                )?;
+                Ok(Self::Cpu(Box::new(engine)))
+            }
+            GroupRanks::Cuda(dp) => {
+                let (backend, collective) = (Arc::clone(&dp.backend), Arc::clone(&dp.collective));
+                let engine = LocalEngine::new_data_parallel(
+                    backend, source, tokenizer, options, collective,
+                )?;
+                Ok(Self::Cuda(Box::new(engine)))
+            }
+        }
+    }
+}
+
+/// Sets the process-wide CPU thread pool to `threads` (0: every core). Fails only when
+/// the pool already exists (set by an earlier engine or by the caller), which is then
+/// used.
+fn set_cpu_threads(threads: usize) {
+    if threads > 0 {
+        let _ = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build_global();
+    }
+}
+
+/// This process's rank of a data-parallel group of local engines, joined before its
+/// engine is built (a trainer exchanges with the other ranks before then: the prepared
+/// data, the checkpoint to resume): the device's backend and the group's collective
+/// over it. [`AnyLocalEngine::open_data_parallel`] builds the engine on both.
+#[derive(Clone)]
+pub struct DataParallelGroup {
+    device: Device,
+    ranks: GroupRanks,
+}
+
+#[derive(Clone)]
+enum GroupRanks {
+    Cpu(Arc<DataParallel<CpuBackend<f32>>>),
+    Cuda(Arc<DataParallel<CudaBackend>>),
+}
+
+impl DataParallelGroup {
+    /// Rank `collective.rank()` of a group whose ranks are threads of this process on
+    /// the CPU (tests: the CPU has no collective across processes).
+    pub fn in_process(collective: InProcessCollective<f32>) -> Self {
+        let backend = Arc::new(CpuBackend::<f32>::new());
+        let dp = DataParallel::new(Arc::new(collective), backend);
+        Self {
+            device: Device::Cpu,
+            ranks: GroupRanks::Cpu(Arc::new(dp)),
+        }
+    }
+
+    /// This process's rank of `world` on `cuda:{world.local_rank}`: rank 0 makes NCCL's
+    /// unique id, the rendezvous at `world.master` hands it to every rank (all within
+    /// `timeout`), and each rank joins the NCCL communicator on its device's stream.
+    pub fn join_nccl(world: &World, timeout: Duration) -> Result<Self> {
+        let device = Device::Cuda(world.local_rank);
+        let device_error = |source| Error::Device {
+            device: device.to_string(),
+            source,
+        };
+        let backend = Arc::new(CudaBackend::new(world.local_rank).map_err(device_error)?);
+        // A rank 0 that cannot make an id still serves (an empty one) so the others fail
+        // at once naming its length, not at the timeout; rank 0 fails with the cause.
+        let mut made = Ok(());
+        let id = floe_dist::rendezvous(
+            world,
+            || match NcclCollective::unique_id() {
+                Ok(id) => id.to_vec(),
+                Err(err) => {
+                    made = Err(err);
+                    Vec::new()
+                }
+            },
+            timeout,
+        )?;
+        made.map_err(device_error)?;
+        let collective = NcclCollective::new(&backend, world.rank, world.world_size, &id)
+            .map_err(device_error)?;
+        Ok(Self {
+            device,
+            ranks: GroupRanks::Cuda(Arc::new(DataParallel::new(Arc::new(collective), backend))),
+        })
+    }
+
+    /// The device the group's engine runs on.
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
+    /// The exact exchange of small values among the group's ranks.
+    pub fn exchange(&self) -> Arc<dyn RankExchange> {
+        match &self.ranks {
+            GroupRanks::Cpu(dp) => Arc::clone(dp) as Arc<dyn RankExchange>,
+            GroupRanks::Cuda(dp) => Arc::clone(dp) as Arc<dyn RankExchange>,
         }
     }
 }

@@ -260,8 +260,8 @@ impl<B: Backend> Policy<B> {
     /// [`Policy::optim_step`] of one rank of a data-parallel group: first sums every
     /// rank's gradients (each rank's loss already divided by the whole mini-batch's
     /// totals), so every rank clips by the same global norm, skips the same steps and
-    /// applies the same update. The sums go to new buffers (the model lends its
-    /// gradients read-only), one more gradient's memory during the step.
+    /// applies the same update. The sums run in place, in buckets of consecutive
+    /// parameters (one all-reduce per bucket of up to 100 MB).
     pub fn optim_step_data_parallel(
         &mut self,
         params: &OptimParams,
@@ -296,18 +296,57 @@ impl<B: Backend> Policy<B> {
         Ok(())
     }
 
-    /// Every rank's gradients summed, in [`Transformer::visit_params`] order.
-    fn summed_gradients(&mut self, collective: &dyn Collective<B>) -> Result<Vec<B::Buf>> {
+    /// Sums every rank's gradients in place, in few large collectives: the gradients
+    /// of consecutive parameters are packed end to end into one bucket of at most
+    /// `capacity` elements ([`GRAD_BUCKET_ELEMENTS`]), summed with one `all_reduce_sum`,
+    /// and copied back; a
+    /// parameter larger than a bucket is summed alone, in place. The bucket is the only
+    /// extra memory. Each element's sum is what a per-parameter all-reduce gives.
+    fn all_reduce_gradients(
+        &mut self,
+        collective: &dyn Collective<B>,
+        capacity: usize,
+    ) -> Result<()> {
         let backend = Arc::clone(self.model.backend());
-        let mut summed = Vec::new();
+        let mut lens = Vec::new();
         self.model.visit_params(&mut |_, slot| {
-            let mut sum = backend.zeros(backend.len(slot.grad), BufKind::Full)?;
-            backend.copy(&mut sum, slot.grad)?;
-            collective.all_reduce_sum(&mut sum)?;
-            summed.push(sum);
+            lens.push(backend.len(slot.grad));
             Ok(())
         })?;
-        Ok(summed)
+        let buckets = grad_buckets(&lens, capacity);
+        let bucket_len = |params: &std::ops::Range<usize>| lens[params.clone()].iter().sum();
+        let largest_bucket = buckets
+            .iter()
+            .map(bucket_len)
+            .filter(|&len| len <= capacity)
+            .max();
+        let mut bucket = largest_bucket
+            .map(|len| backend.zeros(len, BufKind::Full))
+            .transpose()?;
+        for params in buckets {
+            // The parameters of this bucket, with their offsets in it.
+            let mut visit = |f: &mut dyn FnMut(&mut B::Buf, usize) -> floe_backend::Result<()>| {
+                let (mut index, mut offset) = (0, 0);
+                self.model.visit_params(&mut |_, slot| {
+                    if params.contains(&index) {
+                        f(slot.grad, offset)?;
+                        offset += lens[index];
+                    }
+                    index += 1;
+                    Ok(())
+                })
+            };
+            match bucket.as_mut().filter(|_| bucket_len(&params) <= capacity) {
+                // A shorter bucket leaves a stale tail, summed and never read.
+                Some(bucket) => {
+                    visit(&mut |grad, offset| backend.copy_into(bucket, offset, grad))?;
+                    collective.all_reduce_sum(bucket)?;
+                    visit(&mut |grad, offset| backend.copy_from(grad, bucket, offset))?;
+                }
+                None => visit(&mut |grad, _| collective.all_reduce_sum(grad))?,
+            }
+        }
+        Ok(())
     }
 
     fn step_with(
@@ -315,22 +354,10 @@ impl<B: Backend> Policy<B> {
         params: &OptimParams,
         collective: Option<&dyn Collective<B>>,
     ) -> Result<StepOutcome> {
-        let summed = match collective {
-            Some(collective) => Some(self.summed_gradients(collective)?),
-            None => None,
-        };
-        let grad_norm = match &summed {
-            // The same sum of squares, in the same order, as the model's own norm.
-            Some(grads) => {
-                let backend = self.model.backend();
-                let mut sum = 0.0;
-                for grad in grads {
-                    sum += backend.sum_squares(grad)?;
-                }
-                sum.sqrt()
-            }
-            None => self.model.grad_norm()?,
-        };
+        if let Some(collective) = collective {
+            self.all_reduce_gradients(collective, GRAD_BUCKET_ELEMENTS)?;
+        }
+        let grad_norm = self.model.grad_norm()?;
         if should_skip_step(grad_norm) {
             self.model.zero_grad()?;
             return Ok(StepOutcome {
@@ -354,17 +381,13 @@ impl<B: Backend> Policy<B> {
             step: self.step,
             grad_scale: grad_scale as f32,
         };
-        // The i-th visited parameter steps with the ranks' sum of its gradient, if summed.
-        let mut visited = 0;
         let backend = Arc::clone(self.model.backend());
         match &mut self.state {
             OptimizerState::Device(moments) => self.model.visit_params(&mut |name, slot| {
                 let state = device_moments(&*backend, moments, name, slot.param)?;
-                let grad = summed.as_ref().map_or(slot.grad, |s| &s[visited]);
-                visited += 1;
                 backend.adamw(
                     slot.param,
-                    grad,
+                    slot.grad,
                     &mut state.m,
                     &mut state.v,
                     slot.compute,
@@ -381,11 +404,9 @@ impl<B: Backend> Policy<B> {
                     m: vec![0.0; len],
                     v: vec![0.0; len],
                 });
-                let grad = summed.as_ref().map_or(slot.grad, |s| &s[visited]);
-                visited += 1;
                 backend.adamw_host(
                     slot.param,
-                    grad,
+                    slot.grad,
                     &mut host.master,
                     &mut moments.m,
                     &mut moments.v,
@@ -635,8 +656,29 @@ impl<B: Backend> Policy<B> {
     }
 }
 
-/// The step count of a saved state; its file is written last, so a missing one means
-/// no complete save.
+/// Elements of one bucket of the data-parallel gradient sum: 100 MB of f32, about what
+/// PyTorch's DDP buckets hold (25 MB by default) times four, since floe sums once per
+/// step, after the backward, rather than overlapping buckets with it.
+const GRAD_BUCKET_ELEMENTS: usize = 25 << 20;
+
+/// Consecutive parameters (by their gradients' `lens`) grouped into buckets of at most
+/// `capacity` elements; a parameter larger than that is a bucket alone.
+fn grad_buckets(lens: &[usize], capacity: usize) -> Vec<std::ops::Range<usize>> {
+    let mut buckets = Vec::new();
+    let (mut start, mut filled) = (0, 0);
+    for (i, &len) in lens.iter().enumerate() {
+        if i > start && filled + len > capacity {
+            buckets.push(start..i);
+            (start, filled) = (i, 0);
+        }
+        filled += len;
+    }
+    if start < lens.len() {
+        buckets.push(start..lens.len());
+    }
+    buckets
+}
+
 /// The device moments of parameter `name`, zeros of `param`'s length the first time.
 fn device_moments<'m, B: Backend>(
     backend: &B,
@@ -702,6 +744,7 @@ pub fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
 mod tests {
     use super::*;
     use floe_backend::cpu::CpuBackend;
+    use floe_backend::InProcessCollective;
     use floe_model::{Architecture, ModelConfig};
 
     fn tiny_config() -> ModelConfig {
@@ -902,5 +945,59 @@ mod tests {
             .unwrap_err();
         assert!(err.to_string().contains("host memory"), "{err}");
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn gradients_go_in_buckets_of_consecutive_parameters() {
+        assert_eq!(
+            grad_buckets(&[3, 4, 10, 2, 2, 8], 8),
+            vec![0..2, 2..3, 3..5, 5..6]
+        );
+        assert!(grad_buckets(&[], 8).is_empty());
+    }
+
+    #[test]
+    fn bucketed_gradient_sums_equal_each_parameters_sum_bit_for_bit() {
+        let group = InProcessCollective::<f32>::group(2, std::time::Duration::from_secs(60));
+        let batches = [vec![3, 5, 7, 9, 11], vec![2, 4, 6]];
+        // Small buckets: norms share one, projections and embeddings are summed alone.
+        let capacity = 300;
+        let ranks: Vec<_> = std::thread::scope(|scope| {
+            let handles: Vec<_> = group
+                .into_iter()
+                .zip(&batches)
+                .map(|(collective, tokens)| {
+                    scope.spawn(move || {
+                        let backend = Arc::new(CpuBackend::<f32>::new());
+                        let model = Transformer::new_random(backend, tiny_config(), 7).unwrap();
+                        let mut policy = Policy::new(model);
+                        let batch =
+                            PackedBatch::from_sequences(std::slice::from_ref(tokens)).unwrap();
+                        let rows = batch.len();
+                        policy
+                            .forward_backward(&batch, 1.0, &mut |_| {
+                                Ok((vec![-1.0; rows], vec![0.0; rows]))
+                            })
+                            .unwrap();
+                        let own = policy.model().grads_to_host().unwrap();
+                        policy.all_reduce_gradients(&collective, capacity).unwrap();
+                        (own, policy.model().grads_to_host().unwrap())
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        let lens: Vec<usize> = ranks[0].0.values().map(|t| t.data.len()).collect();
+        assert!(lens.iter().any(|&n| n <= capacity / 2) && lens.iter().any(|&n| n > capacity));
+        for (name, own0) in &ranks[0].0 {
+            let sum: Vec<f32> = own0
+                .data
+                .iter()
+                .zip(&ranks[1].0[name].data)
+                .map(|(a, b)| a + b)
+                .collect();
+            assert_eq!(ranks[0].1[name].data, sum, "{name}");
+            assert_eq!(ranks[1].1[name].data, sum, "{name}");
+        }
     }
 }

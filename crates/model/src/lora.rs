@@ -845,10 +845,10 @@ impl<B: Backend> Transformer<B> {
         let specs = adapter_specs(&self.config, &lora.config);
         let grads = lora
             .grads
-            .as_ref()
+            .as_mut()
             .expect("allocated above")
             .adapters
-            .tensors();
+            .tensors_mut();
         let mut computes = lora.compute.as_mut().map(|c| c.tensors_mut().into_iter());
         for (((name, _), param), grad) in specs.iter().zip(lora.params.tensors_mut()).zip(grads) {
             let compute = computes.as_mut().and_then(|c| c.next());

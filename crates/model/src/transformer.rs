@@ -455,8 +455,9 @@ pub type LossGradFn<'a> = dyn FnMut(&TokenStats) -> Result<(Vec<f64>, Vec<f64>)>
 pub struct ParamSlot<'a, B: Backend> {
     /// The master weights: Full, or Compute after [`Transformer::drop_device_masters`].
     pub param: &'a mut B::Buf,
-    /// Its accumulated gradient (Full).
-    pub grad: &'a B::Buf,
+    /// Its accumulated gradient (Full); mutable so a data-parallel step can sum it
+    /// across ranks in place.
+    pub grad: &'a mut B::Buf,
     /// The Compute copy to refresh after an update, when the backend keeps one.
     pub compute: Option<&'a mut B::Buf>,
 }
@@ -1542,8 +1543,8 @@ impl<B: Backend> Transformer<B> {
             self.grads = Some(self.zero_params()?);
         }
         let specs = tensor_specs(&self.config);
-        let grads = self.grads.take().expect("allocated above");
-        let result = self.visit_base(&specs, &grads, f);
+        let mut grads = self.grads.take().expect("allocated above");
+        let result = self.visit_base(&specs, &mut grads, f);
         self.grads = Some(grads);
         result
     }
@@ -1551,13 +1552,15 @@ impl<B: Backend> Transformer<B> {
     fn visit_base(
         &mut self,
         specs: &[(String, Vec<usize>)],
-        grads: &Params<B::Buf>,
+        grads: &mut Params<B::Buf>,
         f: &mut dyn FnMut(&str, ParamSlot<'_, B>) -> Result<()>,
     ) -> Result<()> {
         let (params, compute) = self.base_mut("visit_params")?;
         let mut computes = compute.map(|c| c.tensors_mut().into_iter());
-        for (((name, _), param), grad) in
-            specs.iter().zip(params.tensors_mut()).zip(grads.tensors())
+        for (((name, _), param), grad) in specs
+            .iter()
+            .zip(params.tensors_mut())
+            .zip(grads.tensors_mut())
         {
             let compute = computes.as_mut().and_then(|c| c.next());
             f(

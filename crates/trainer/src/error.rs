@@ -47,6 +47,10 @@ pub enum Error {
         /// The engine's error.
         source: Box<dyn std::error::Error + Send + Sync>,
     },
+    /// The ranks of a data-parallel run cannot run together or exchange; the message
+    /// says why.
+    #[error("data parallel: {0}")]
+    DataParallel(String),
     /// Prompts or examples are missing or malformed; the message names the source.
     #[error("data: {0}")]
     Data(String),

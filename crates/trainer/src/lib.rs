@@ -9,6 +9,7 @@ pub mod error;
 pub mod eval;
 pub mod eval_checkpoint;
 pub mod outputs;
+pub mod ranks;
 pub mod remote;
 pub mod rollout;
 pub mod run;

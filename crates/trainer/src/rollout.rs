@@ -21,7 +21,9 @@ use floe_model::tokenizer::Tokenizer;
 use crate::config::RecipeSamplingParams;
 use crate::data::{render_messages, Prompt};
 use crate::error::{Error, Result};
+use crate::ranks::{bits, Ranks};
 use floe_engine::SamplingSide;
+use serde::{Deserialize, Serialize};
 
 /// The conversation the fixed-base trick renders observations after (SkyRL's).
 const BASE_CONVERSATION: [(&str, &str); 2] = [
@@ -74,11 +76,14 @@ pub struct Rollouts {
     pub max_turns: usize,
     /// Longest conversation, in tokens, before another turn is refused.
     pub max_input_length: usize,
+    /// The run's ranks: each samples and scores its share of a rollout's samples.
+    ranks: Ranks,
     scorer: Scorer<(Box<dyn Env>, std::result::Result<StepOutput, EnvError>)>,
 }
 
 /// One scored trajectory: a prompt and the model's turns (with observations between them).
-#[derive(Clone, Debug)]
+/// Its floats serialize as bits, for the exact exchange among ranks.
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Trajectory {
     /// Index of its prompt in the rollout's prompt list.
     pub prompt: usize,
@@ -89,16 +94,21 @@ pub struct Trajectory {
     /// Response token ids: generated tokens and, multi-turn, observation tokens.
     pub response: Vec<u32>,
     /// 1 on generated tokens, 0 on observation tokens.
+    #[serde(with = "bits")]
     pub loss_mask: Vec<f64>,
     /// Each turn's reward on the last token of that turn.
+    #[serde(with = "bits")]
     pub token_rewards: Vec<f64>,
     /// The sampler's log-probs (0 on observation tokens); empty if not requested.
+    #[serde(with = "bits")]
     pub rollout_logprobs: Vec<f64>,
     /// Total reward (sum over turns).
+    #[serde(with = "bits")]
     pub reward: f64,
     /// The decoded response, turns and observations in order.
     pub text: String,
     /// Environment metrics, averaged over the turns.
+    #[serde(with = "bits")]
     pub env_metrics: BTreeMap<String, f64>,
     /// The environment that scored it.
     pub env_class: String,
@@ -152,12 +162,22 @@ impl Rollouts {
             enable_thinking,
             max_turns: max_turns.max(1),
             max_input_length,
+            ranks: Ranks::single(),
             scorer: Scorer::new(env_workers)?,
         })
     }
 
+    /// Rollouts shared among `ranks`: each samples and scores its share of the samples
+    /// ([`Ranks::sampling_share`]) and [`Rollouts::run`] gathers every rank's.
+    pub fn with_ranks(self, ranks: Ranks) -> Self {
+        Self { ranks, ..self }
+    }
+
     /// Samples `n` trajectories of every prompt and scores them; output is ordered by
     /// (prompt, sample). `seed` keys this rollout (e.g. derived from run seed and step).
+    /// Among several ranks each samples its share and every rank returns all of them, as
+    /// one process samples them (up to the float rounding of other batch shapes); the
+    /// timing is this rank's.
     pub fn run<S: SamplingSide + ?Sized>(
         &mut self,
         engine: &mut S,
@@ -166,10 +186,11 @@ impl Rollouts {
         params: &EngineSamplingParams,
         seed: u64,
     ) -> Result<(Vec<Trajectory>, RolloutTiming)> {
+        let prompt_lens: Vec<usize> = prompts.iter().map(|p| p.ids.len()).collect();
         let mut live = Vec::with_capacity(prompts.len() * n);
-        for (p, prompt) in prompts.iter().enumerate() {
-            for k in 0..n {
-                live.push(self.start(p, k, prompt)?);
+        for (p, samples) in self.ranks.sampling_share(&prompt_lens, n) {
+            for k in samples {
+                live.push(self.start(p, k, prompts[p])?);
             }
         }
         let mut timing = RolloutTiming::default();
@@ -255,7 +276,7 @@ impl Rollouts {
                 }
             }
         }
-        let trajectories = live
+        let trajectories: Vec<Trajectory> = live
             .into_iter()
             .map(|l| {
                 let mut trajectory = l.trajectory;
@@ -263,7 +284,17 @@ impl Rollouts {
                 trajectory
             })
             .collect();
-        Ok((trajectories, timing))
+        if self.ranks.world_size() == 1 {
+            return Ok((trajectories, timing));
+        }
+        let mut all: Vec<Trajectory> = self
+            .ranks
+            .all_gather(trajectories)?
+            .into_iter()
+            .flatten()
+            .collect();
+        all.sort_by_key(|t| (t.prompt, t.sample));
+        Ok((all, timing))
     }
 
     fn start(&self, p: usize, k: usize, prompt: &Prompt) -> Result<Live> {

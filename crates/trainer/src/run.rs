@@ -13,7 +13,7 @@ mod step;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use floe_env::dataset::{DataCursor, Row};
 use floe_env::env::{BuiltinConfig, Registry};
@@ -34,12 +34,14 @@ use crate::error::{Error, Result};
 use crate::eval::{evaluate, write_records, EvalSpec, EVALS_DIR};
 use crate::outputs::metrics::MetricsSink;
 use crate::outputs::report::{self, Sample, SAMPLES_FILE};
+use crate::ranks::Ranks;
 use crate::rollout::{engine_sampling_params, Rollouts};
 use crate::setup::{
     check_checkpoint_space, checkpoint_bytes, engine_options, labelled_rows, model_setup,
 };
 use crate::sft::{run_sft, sft_examples};
-use floe_engine::{AnyLocalEngine, Engine};
+use floe_dist::World;
+use floe_engine::{AnyLocalEngine, DataParallelGroup, Device, Engine};
 use step::{uses_reference, SampledBatch, StepSettings};
 
 /// Eval generations per eval copied into `samples.jsonl` for the report.
@@ -88,27 +90,89 @@ pub fn max_input_length(config: &Config) -> usize {
 }
 
 /// Runs `floe train` for a validated config: the local engine on `engine.device`, or a
-/// `floe serve` engine at `engine.remote`.
+/// `floe serve` engine at `engine.remote`; as one rank of a data-parallel job when the
+/// launcher's variables say so ([`train_with_registry`]).
 pub fn train(config: &Config) -> Result<RunOutcome> {
     train_with_registry(config, registry(config))
 }
 
+/// How long ranks wait for each other at the rendezvous.
+const RENDEZVOUS_TIMEOUT: Duration = Duration::from_secs(300);
+
 /// [`train`] with the environments of `registry` instead of the built-ins (a test's
-/// scripted rewards, a caller's own environments).
+/// scripted rewards, a caller's own environments). Under `floe launch`, torchrun or
+/// Slurm (`floe_dist::World::from_env`) with more than one rank, this process is one
+/// rank of a data-parallel run on `cuda:{LOCAL_RANK}` (whatever ordinal `engine.device`
+/// names), its ranks joined through NCCL; the CPU has no collective across processes and
+/// is refused, and so is a remote engine.
 pub fn train_with_registry(config: &Config, registry: Registry) -> Result<RunOutcome> {
+    let world = World::from_env(None).map_err(|e| Error::DataParallel(e.to_string()))?;
+    train_in_world(config, registry, &world)
+}
+
+/// [`train_with_registry`] as this process's place in `world`.
+pub fn train_in_world(config: &Config, registry: Registry, world: &World) -> Result<RunOutcome> {
+    if world.world_size == 1 {
+        return train_as_rank(config, registry, None);
+    }
+    config.validate()?;
+    let (rank, size) = (world.rank, world.world_size);
+    if config.engine.remote.is_some() {
+        return Err(Error::DataParallel(format!(
+            "rank {rank} of WORLD_SIZE={size}, but engine.remote is set: a remote engine \
+             trains on its server; run floe train as one process"
+        )));
+    }
+    if config.engine.device == Device::Cpu {
+        return Err(Error::DataParallel(format!(
+            "rank {rank} of WORLD_SIZE={size} on engine.device = \"cpu\": the CPU backend \
+             has no collective across processes (CPU data parallelism runs as threads of \
+             one process, for tests); train on GPUs (engine.device = \"cuda\", one process \
+             per GPU) or as one process"
+        )));
+    }
+    let group = DataParallelGroup::join_nccl(world, RENDEZVOUS_TIMEOUT)?;
+    let mut config = config.clone();
+    config.engine.device = group.device();
+    train_as_rank(&config, registry, Some(group))
+}
+
+/// [`train_with_registry`] as this process's rank of `group` (`None`: the only one) on
+/// a local or, alone, a remote engine. Every rank runs the whole loop with its share of
+/// each step's work (`crate::ranks`); rank 0 alone prepares the run directory (the
+/// checkpoint to resume, the effective config, generated data, an embedded model's
+/// tokenizer) and writes metrics, evals, the report and checkpoints. A test runs ranks
+/// as threads with [`DataParallelGroup::in_process`].
+pub fn train_as_rank(
+    config: &Config,
+    registry: Registry,
+    group: Option<DataParallelGroup>,
+) -> Result<RunOutcome> {
     let started = Instant::now();
     config.validate()?;
+    let ranks = group
+        .as_ref()
+        .map_or_else(Ranks::single, |g| Ranks::new(g.exchange()));
     let run_dir = config.trainer.run_dir.clone();
-    std::fs::create_dir_all(&run_dir).map_err(|source| Error::Io {
-        path: run_dir.clone(),
-        source,
+    let (resume_from, train_rows, val_rows) = ranks.from_rank_zero(|| {
+        std::fs::create_dir_all(&run_dir).map_err(|source| Error::Io {
+            path: run_dir.clone(),
+            source,
+        })?;
+        let resume_from = resume_checkpoint(&run_dir, &config.trainer.resume)?;
+        config.save_effective(&run_dir)?;
+        let train_rows = load_split(config, &run_dir, Split::Train)?;
+        let val_rows = load_split(config, &run_dir, Split::Val)?;
+        Ok((resume_from, train_rows, val_rows))
     })?;
-    let resume_from = resume_checkpoint(&run_dir, &config.trainer.resume)?;
-    config.save_effective(&run_dir)?;
-    let train_rows = load_split(config, &run_dir, Split::Train)?;
-    let val_rows = load_split(config, &run_dir, Split::Val)?;
     let fresh = resume_from.is_none();
     if let Some(url) = &config.engine.remote {
+        if group.is_some() {
+            return Err(Error::DataParallel(
+                "engine.remote is set: a remote engine trains on its server, not across ranks"
+                    .into(),
+            ));
+        }
         let (tokenizer, template, mut engine) =
             crate::remote::connect_for_run(config, url, &run_dir, &train_rows, fresh)?;
         let inputs = RunInputs {
@@ -119,20 +183,32 @@ pub fn train_with_registry(config: &Config, registry: Registry) -> Result<RunOut
             resume_from,
             started,
             registry,
+            ranks,
         };
         return run_loop(&mut engine, config, inputs);
     }
-    // Hours of training must not end at a checkpoint the disk cannot hold.
-    check_checkpoint_space(config, checkpoint_bytes(config)?)?;
-    let setup = model_setup(config, &run_dir, &train_rows, fresh)?;
+    // Rank 0 sets the model up first (an embedded model's tokenizer is trained and saved
+    // then); the others read what it saved.
+    let mut setup = None;
+    ranks.from_rank_zero(|| {
+        // Hours of training must not end at a checkpoint the disk cannot hold.
+        check_checkpoint_space(config, checkpoint_bytes(config)?)?;
+        setup = Some(model_setup(config, &run_dir, &train_rows, fresh)?);
+        Ok(())
+    })?;
+    let setup = match setup {
+        Some(setup) => setup,
+        None => model_setup(config, &run_dir, &train_rows, false)?,
+    };
     let opening = Instant::now();
-    let mut engine = AnyLocalEngine::open(
-        setup.source,
-        Some(setup.tokenizer.clone()),
-        engine_options(config),
-    )?;
+    let tokenizer = Some(setup.tokenizer.clone());
+    let options = engine_options(config);
+    let mut engine = match &group {
+        Some(group) => AnyLocalEngine::open_data_parallel(group, setup.source, tokenizer, options)?,
+        None => AnyLocalEngine::open(setup.source, tokenizer, options)?,
+    };
     let plan = engine.memory_plan();
-    if plan.budget_bytes.is_some() {
+    if plan.budget_bytes.is_some() && ranks.writes() {
         // A GPU run: what it holds, before the first step (the CPU has no budget to show).
         println!(
             "engine on {} ready in {:.1}s\n{plan}",
@@ -148,6 +224,7 @@ pub fn train_with_registry(config: &Config, registry: Registry) -> Result<RunOut
         resume_from,
         started,
         registry,
+        ranks,
     };
     run_loop(&mut engine, config, inputs)
 }
@@ -168,6 +245,8 @@ pub struct RunInputs {
     pub started: Instant,
     /// The environments rollouts are scored by ([`registry`] for the built-ins).
     pub registry: Registry,
+    /// The run's ranks ([`Ranks::single`] for one process).
+    pub ranks: Ranks,
 }
 
 /// The loop over any [`Engine`]: the run's start (restored, or fresh: SFT and the eval
@@ -187,13 +266,15 @@ pub fn run_loop<E: Engine>(
         inputs.val_rows,
     )?;
     let total_steps = prompts.total_steps(&config.trainer)?;
-    let rollouts = rollouts_with(config, inputs.template, &tokenizer, inputs.registry)?;
+    let rollouts = rollouts_with(config, inputs.template, &tokenizer, inputs.registry)?
+        .with_ranks(inputs.ranks.clone());
     let resume_from = inputs.resume_from.as_deref();
     let mut run = Run::start(
         engine,
         config,
         &prompts,
         rollouts,
+        inputs.ranks,
         &tokenizer,
         total_steps,
         resume_from,
@@ -201,7 +282,12 @@ pub fn run_loop<E: Engine>(
     if resume_from.is_none() {
         run.fresh_start(&tokenizer)?;
     }
-    let progress = Progress::new(run.console, total_steps, run.state.global_step);
+    let progress = Progress::new(
+        run.console,
+        run.ranks.writes(),
+        total_steps,
+        run.state.global_step,
+    );
     let mut final_eval = BTreeMap::new();
     for step in (run.state.global_step + 1)..=total_steps {
         let metrics = run.rl_step(step)?;
@@ -370,11 +456,13 @@ struct Run<'a, E: Engine> {
     /// What a checkpoint saves: the step, data cursor, optimiser steps, KL coefficient and
     /// the latest metrics.
     state: TrainerState,
-    /// `metrics.jsonl` and TensorBoard.
-    sink: MetricsSink,
+    /// The run's ranks: each does its share of a step, rank 0 writes the files.
+    ranks: Ranks,
+    /// `metrics.jsonl` and TensorBoard; rank 0's only.
+    sink: Option<MetricsSink>,
     /// RL steps of the whole run.
     total_steps: u64,
-    /// `trainer.logger` includes the console.
+    /// `trainer.logger` includes the console, and this rank prints (rank 0).
     console: bool,
     /// Disk bytes of one checkpoint of a local engine, checked before each is written
     /// (`None` for a remote engine, whose state stays on its server).
@@ -387,21 +475,25 @@ impl<'a, E: Engine> Run<'a, E> {
     /// Restores the checkpoint `resume_from` (trainer state with its data cursor, the
     /// engine's weights and optimiser, report samples up to its step) or starts a fresh
     /// state, clearing an earlier run's outputs from the run directory; then opens the
-    /// metrics sinks, which on resume keep only the checkpoint's steps.
+    /// metrics sinks, which on resume keep only the checkpoint's steps. Every rank loads
+    /// the same checkpoint; rank 0 alone touches the run directory's files.
+    #[allow(clippy::too_many_arguments)]
     fn start(
         engine: &'a mut E,
         config: &'a Config,
         prompts: &'a RunPrompts,
         rollouts: Rollouts,
+        ranks: Ranks,
         tokenizer: &Tokenizer,
         total_steps: u64,
         resume_from: Option<&Path>,
     ) -> Result<Self> {
         let t = &config.trainer;
-        let console = t.logger.contains(&Logger::Console);
+        let writes = ranks.writes();
+        let console = t.logger.contains(&Logger::Console) && writes;
         let state = match resume_from {
-            Some(checkpoint) => restore(engine, checkpoint, &t.run_dir, console)?,
-            None => fresh_state(config, prompts.rl.len())?,
+            Some(checkpoint) => restore(engine, checkpoint, &t.run_dir, console, writes)?,
+            None => fresh_state(config, prompts.rl.len(), writes)?,
         };
         if state.data_cursor.len != prompts.rl.len() {
             return Err(Error::Checkpoint {
@@ -414,11 +506,14 @@ impl<'a, E: Engine> Run<'a, E> {
                 ),
             });
         }
-        let sink = MetricsSink::create_with(
-            &t.run_dir,
-            resume_from.map(|_| state.global_step),
-            &t.logger,
-        )?;
+        let sink = match writes {
+            true => Some(MetricsSink::create_with(
+                &t.run_dir,
+                resume_from.map(|_| state.global_step),
+                &t.logger,
+            )?),
+            false => None,
+        };
         Ok(Self {
             eval_spec: EvalSpec {
                 params: engine_sampling_params(&config.generator.eval_sampling_params, tokenizer),
@@ -431,6 +526,7 @@ impl<'a, E: Engine> Run<'a, E> {
             config,
             prompts,
             rollouts,
+            ranks,
             state,
             sink,
             total_steps,
@@ -468,18 +564,24 @@ impl<'a, E: Engine> Run<'a, E> {
     fn warm_start(&mut self, tokenizer: &Tokenizer) -> Result<()> {
         let examples = sft_examples(&self.prompts.sft_prompts(), tokenizer)?;
         let console = self.console;
-        let (sink, state) = (&mut self.sink, &mut self.state);
-        run_sft(self.engine, self.config, &examples, &mut |epoch_metrics| {
-            if console {
-                println!(
-                    "sft epoch {:>2}  loss {:.4}  ({:.1}s)",
-                    epoch_metrics["sft/epoch"],
-                    epoch_metrics["sft/loss"],
-                    epoch_metrics["timing/sft"]
-                );
-            }
-            log_metrics(sink, state, 0, &epoch_metrics)
-        })?;
+        let (mut sink, state, ranks) = (self.sink.as_mut(), &mut self.state, &self.ranks);
+        run_sft(
+            self.engine,
+            self.config,
+            &examples,
+            ranks,
+            &mut |epoch_metrics| {
+                if console {
+                    println!(
+                        "sft epoch {:>2}  loss {:.4}  ({:.1}s)",
+                        epoch_metrics["sft/epoch"],
+                        epoch_metrics["sft/loss"],
+                        epoch_metrics["timing/sft"]
+                    );
+                }
+                log_metrics(sink.as_deref_mut(), state, 0, &epoch_metrics)
+            },
+        )?;
         // RL is a new phase: AdamW's second moments from the warm start's larger gradients
         // would shrink its first steps.
         self.engine
@@ -489,7 +591,7 @@ impl<'a, E: Engine> Run<'a, E> {
 
     /// Logs `metrics` for `step` and remembers their latest values in the trainer state.
     fn log(&mut self, step: u64, metrics: &BTreeMap<String, f64>) -> Result<()> {
-        log_metrics(&mut self.sink, &mut self.state, step, metrics)
+        log_metrics(self.sink.as_mut(), &mut self.state, step, metrics)
     }
 
     /// Whether `step` evaluates: there is validation data, and `step` is on
@@ -507,7 +609,7 @@ impl<'a, E: Engine> Run<'a, E> {
             &mut self.rollouts,
             &self.prompts.val,
             &self.eval_spec,
-            &self.config.trainer.run_dir,
+            self.ranks.writes().then_some(&self.config.trainer.run_dir),
             step,
         )?;
         print_eval(self.console, step, &metrics);
@@ -515,9 +617,13 @@ impl<'a, E: Engine> Run<'a, E> {
         Ok(metrics)
     }
 
-    /// Saves the checkpoint of `step` when it is on `trainer.ckpt_interval` or the last.
+    /// Saves the checkpoint of `step` when it is on `trainer.ckpt_interval` or the last;
+    /// rank 0 saves it (every rank holds the same weights and optimizer state).
     fn checkpoint_on_interval(&mut self, step: u64) -> Result<()> {
         let t = &self.config.trainer;
+        if !self.ranks.writes() {
+            return Ok(());
+        }
         if step == self.total_steps || on_interval(step, t.ckpt_interval) {
             if let Some(bytes) = self.checkpoint_bytes {
                 check_checkpoint_space(self.config, bytes)?;
@@ -555,7 +661,10 @@ impl<'a, E: Engine> Run<'a, E> {
                 .collect();
         }
         let run_dir = self.config.trainer.run_dir.clone();
-        let report = report::write_report(&run_dir)?;
+        let report = match self.ranks.writes() {
+            true => report::write_report(&run_dir)?,
+            false => run_dir.join(report::REPORT_FILE),
+        };
         Ok(RunOutcome {
             run_dir,
             steps: self.state.global_step,
@@ -568,19 +677,22 @@ impl<'a, E: Engine> Run<'a, E> {
     }
 }
 
-/// The trainer state of `checkpoint`, with the engine's state loaded from it and the
-/// report samples of later steps dropped.
+/// The trainer state of `checkpoint`, with the engine's state loaded from it and (when
+/// this rank `writes`) the report samples of later steps dropped.
 fn restore<E: Engine>(
     engine: &mut E,
     checkpoint: &Path,
     run_dir: &Path,
     console: bool,
+    writes: bool,
 ) -> Result<TrainerState> {
     let state = load_trainer_state(checkpoint)?;
     engine
         .load_state(&checkpoint.join(ENGINE_DIR))
         .map_err(Error::verb("load_state"))?;
-    keep_samples_up_to(run_dir, state.global_step)?;
+    if writes {
+        keep_samples_up_to(run_dir, state.global_step)?;
+    }
     if console {
         println!(
             "resumed from {} (step {})",
@@ -591,12 +703,15 @@ fn restore<E: Engine>(
     Ok(state)
 }
 
-/// The trainer state before step 1 of a fresh run over `num_rl_prompts` prompts.
-fn fresh_state(config: &Config, num_rl_prompts: usize) -> Result<TrainerState> {
+/// The trainer state before step 1 of a fresh run over `num_rl_prompts` prompts; the
+/// rank that `writes` clears an earlier run's outputs.
+fn fresh_state(config: &Config, num_rl_prompts: usize, writes: bool) -> Result<TrainerState> {
     let t = &config.trainer;
     // A fresh run owns its directory: outputs of an earlier run there would mix in.
-    for stale in [CHECKPOINTS_DIR, EVALS_DIR, SAMPLES_FILE] {
-        remove_if_present(&t.run_dir.join(stale))?;
+    if writes {
+        for stale in [CHECKPOINTS_DIR, EVALS_DIR, SAMPLES_FILE] {
+            remove_if_present(&t.run_dir.join(stale))?;
+        }
     }
     Ok(TrainerState {
         global_step: 0,
@@ -618,8 +733,15 @@ struct Progress {
 }
 
 impl Progress {
-    /// A bar over `total_steps` steps, `done` of them already.
-    fn new(console: bool, total_steps: u64, done: u64) -> Self {
+    /// A bar over `total_steps` steps, `done` of them already; hidden unless `shown`.
+    fn new(console: bool, shown: bool, total_steps: u64, done: u64) -> Self {
+        if !shown {
+            return Self {
+                bar: ProgressBar::hidden(),
+                console,
+                total_steps,
+            };
+        }
         let bar = ProgressBar::new(total_steps).with_style(
             ProgressStyle::with_template("grpo  {bar:30} {pos}/{len} {elapsed}<{eta} {msg}")
                 .expect("a valid progress template"),
@@ -663,14 +785,17 @@ impl Progress {
     }
 }
 
-/// Logs `metrics` for `step` and remembers their latest values in the trainer state.
+/// Logs `metrics` for `step` (into the sink of the rank that has one) and remembers
+/// their latest values in the trainer state.
 fn log_metrics(
-    sink: &mut MetricsSink,
+    sink: Option<&mut MetricsSink>,
     state: &mut TrainerState,
     step: u64,
     metrics: &BTreeMap<String, f64>,
 ) -> Result<()> {
-    sink.log(step, metrics)?;
+    if let Some(sink) = sink {
+        sink.log(step, metrics)?;
+    }
     state
         .metrics
         .extend(metrics.iter().map(|(k, v)| (k.clone(), *v)));
@@ -698,17 +823,21 @@ fn on_interval(step: u64, interval: i64) -> bool {
     interval > 0 && step % interval as u64 == 0
 }
 
-/// Evaluates, writes `<run_dir>/evals/global_step_N.jsonl` and a few generations for the
-/// report; returns the metrics.
+/// Evaluates and, given the run directory (rank 0), writes
+/// `<run_dir>/evals/global_step_N.jsonl` and a few generations for the report; returns
+/// the metrics.
 fn eval_and_record<E: Engine>(
     engine: &mut E,
     rollouts: &mut Rollouts,
     prompts: &[Prompt],
     spec: &EvalSpec,
-    run_dir: &Path,
+    run_dir: Option<&PathBuf>,
     step: u64,
 ) -> Result<BTreeMap<String, f64>> {
     let out = evaluate(engine, rollouts, prompts, spec, step)?;
+    let Some(run_dir) = run_dir else {
+        return Ok(out.metrics);
+    };
     write_records(
         &run_dir
             .join(EVALS_DIR)

@@ -14,6 +14,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use crate::config::{Config, Scheduler};
 use crate::data::{reference_answer, Prompt};
 use crate::error::{Error, Result};
+use crate::ranks::Ranks;
 use floe_engine::{Engine, Loss, TrainGroup, TrainResponse};
 
 /// Stream of the SFT shuffle, apart from the RL data order of the same seed.
@@ -48,11 +49,13 @@ pub fn sft_examples(prompts: &[&Prompt], tokenizer: &Tokenizer) -> Result<Vec<Sf
 /// Runs `sft.epochs` passes of `sft.batch_size` examples per optimiser step, the learning
 /// rate following `sft.scheduler` after `sft.num_warmup_steps` of warmup. Hands each
 /// epoch's metrics (`sft/loss`, `sft/grad_norm`, `sft/epoch`, `sft/num_tokens`,
-/// `timing/sft`) to `on_epoch` as the epoch ends.
+/// `timing/sft`) to `on_epoch` as the epoch ends. Among several ranks each trains its
+/// share of every batch ([`Ranks::sft_share`]) and the engine sums the gradients.
 pub fn run_sft<E: Engine>(
     engine: &mut E,
     config: &Config,
     examples: &[SftExample],
+    ranks: &Ranks,
     on_epoch: &mut dyn FnMut(BTreeMap<String, f64>) -> Result<()>,
 ) -> Result<()> {
     if examples.is_empty() {
@@ -91,7 +94,7 @@ pub fn run_sft<E: Engine>(
         for batch in order_of.epoch_order(epoch as u64).chunks(sft.batch_size) {
             let groups = shared_prefix_groups(batch.iter().map(|&i| &examples[i]));
             let out = engine
-                .forward_backward(&groups, &Loss::CrossEntropy, 1.0)
+                .forward_backward(&ranks.sft_share(&groups), &Loss::CrossEntropy, 1.0)
                 .map_err(Error::verb("forward_backward"))?;
             params.lr = lr_at(
                 optimizer_steps,

@@ -417,6 +417,28 @@ impl<T: CpuFloat> Backend for CpuBackend<T> {
         Ok(())
     }
 
+    fn copy_from(&self, dst: &mut CpuBuf<T>, src: &CpuBuf<T>, offset: usize) -> Result<()> {
+        const OP: &str = "copy_from";
+        let dst_len = self.len(dst);
+        contract::copy_from(dst_len, self.len(src), offset)?;
+        if float_kind(dst) != float_kind(src) {
+            return Err(Error::Kind {
+                op: OP,
+                arg: "src",
+                expected: float_kind(dst),
+                got: float_kind(src),
+            });
+        }
+        match (dst, src) {
+            (CpuBuf::Index(d), CpuBuf::Index(s)) => d.copy_from_slice(&s[offset..offset + dst_len]),
+            (CpuBuf::Float { data: d, .. }, CpuBuf::Float { data: s, .. }) => {
+                d.copy_from_slice(&s[offset..offset + dst_len])
+            }
+            _ => unreachable!("kinds checked equal above"),
+        }
+        Ok(())
+    }
+
     fn fill_zero(&self, buf: &mut CpuBuf<T>) -> Result<()> {
         match buf {
             CpuBuf::Float { data, .. } => data.fill(T::ZERO),

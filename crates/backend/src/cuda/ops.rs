@@ -404,6 +404,36 @@ impl Backend for CudaBackend {
         Ok(())
     }
 
+    fn copy_from(&self, dst: &mut CudaBuf, src: &CudaBuf, offset: usize) -> Result<()> {
+        const OP: &str = "copy_from";
+        if dst.kind != src.kind {
+            return Err(Error::Kind {
+                op: OP,
+                arg: "src",
+                expected: dst.kind,
+                got: src.kind,
+            });
+        }
+        let n = dst.len;
+        contract::copy_from(n, src.len, offset)?;
+        if n == 0 {
+            return Ok(());
+        }
+        match (&mut dst.storage, &src.storage) {
+            (Storage::Bf16(d), Storage::Bf16(s)) => self
+                .stream
+                .memcpy_dtod(&s.slice(offset..offset + n), &mut d.slice_mut(..n))?,
+            (Storage::F32(d), Storage::F32(s)) => self
+                .stream
+                .memcpy_dtod(&s.slice(offset..offset + n), &mut d.slice_mut(..n))?,
+            (Storage::U32(d), Storage::U32(s)) => self
+                .stream
+                .memcpy_dtod(&s.slice(offset..offset + n), &mut d.slice_mut(..n))?,
+            _ => unreachable!("kinds checked equal above"),
+        }
+        Ok(())
+    }
+
     fn fill_zero(&self, buf: &mut CudaBuf) -> Result<()> {
         match &mut buf.storage {
             Storage::Bf16(s) => self.stream.memset_zeros(s)?,

@@ -112,6 +112,10 @@ impl Backend for CudaBackend {
         match *self {}
     }
 
+    fn copy_from(&self, _dst: &mut CudaBuf, _src: &CudaBuf, _offset: usize) -> Result<()> {
+        match *self {}
+    }
+
     fn fill_zero(&self, _buf: &mut CudaBuf) -> Result<()> {
         match *self {}
     }

@@ -7,8 +7,8 @@ use std::time::Instant;
 
 use floe_engine::policy::OptimParams;
 use floe_engine::{
-    Engine, ForwardBackwardOutput, Loss, SamplingParams, SamplingSide, SequenceGroup, TokenOutputs,
-    TrainGroup, TrainResponse, TrainingSide, Weights,
+    Engine, ForwardBackwardOutput, Loss, SamplingParams, SamplingSide, SequenceGroup, TrainGroup,
+    TrainResponse, TrainingSide, Weights,
 };
 use floe_env::dataset::DataCursor;
 use floe_env::env::aggregate_metrics_by_env;
@@ -26,6 +26,7 @@ use super::{Run, RunPrompts};
 use crate::config::{Config, PipelineConfig, PipelineMode, Scheduler};
 use crate::data::{next_batch, Prompt};
 use crate::error::{Error, Result};
+use crate::ranks::Ranks;
 use crate::rollout::{derive_seed, engine_sampling_params, RolloutTiming, Rollouts, Trajectory};
 
 /// Stream of training sampling seeds.
@@ -92,7 +93,6 @@ impl StepSettings {
     }
 }
 
-/// The engine's per-token outputs of each response of each group.
 /// The per-sequence facts of a batch's trajectories that the step's stages share.
 struct Sequences {
     /// Each trajectory's reward.
@@ -163,6 +163,7 @@ impl<E: Engine> Run<'_, E> {
             //    backward: reads of the weights only, beside the next batch's sampling.
             let algorithm = &self.config.trainer.algorithm;
             let mini_batch_size = self.config.trainer.policy_mini_batch_size;
+            let ranks = &self.ranks;
             let (kl, temperature, policy_loss) = (
                 &mut self.step_settings.kl,
                 self.step_settings.temperature,
@@ -173,6 +174,7 @@ impl<E: Engine> Run<'_, E> {
                 let prepared = prepare_update(
                     trainer,
                     &UpdateInputs {
+                        ranks,
                         algorithm,
                         temperature,
                         policy_loss,
@@ -307,7 +309,11 @@ impl<E: Engine> Run<'_, E> {
                 Some(out) => out,
                 None => self
                     .engine
-                    .forward_backward(mini_batch, &settings.policy_loss, settings.temperature)
+                    .forward_backward(
+                        &self.ranks.train_share(mini_batch),
+                        &settings.policy_loss,
+                        settings.temperature,
+                    )
                     .map_err(Error::verb("forward_backward"))?,
             };
             let lr = lr_at(
@@ -550,6 +556,8 @@ pub(super) struct SampledBatch {
 
 /// What [`prepare_update`] reads besides the batch.
 struct UpdateInputs<'a> {
+    /// The run's ranks, which share the log-probs' forwards and each mini-batch.
+    ranks: &'a Ranks,
     algorithm: &'a AlgorithmConfig,
     /// The temperature log-probs are taken at.
     temperature: f32,
@@ -590,7 +598,7 @@ fn prepare_update<X: std::error::Error + Send + Sync + 'static>(
     let sequences = Sequences::of(trajs);
     let start = Instant::now();
     let groups_g = sequence_groups(trajs, num_prompts)?;
-    let temperature = inputs.temperature;
+    let (ranks, temperature) = (inputs.ranks, inputs.temperature);
     let old_logprobs_t = if inputs.old_from_sampler {
         // Tokens the sampler did not draw (observations) carry 0; their loss mask is 0,
         // so nothing reads them.
@@ -599,9 +607,7 @@ fn prepare_update<X: std::error::Error + Send + Sync + 'static>(
             .flat_map(|tr| tr.rollout_logprobs.iter().copied())
             .collect()
     } else {
-        let old_g = trainer
-            .forward(&groups_g, Weights::Policy, temperature)
-            .map_err(Error::verb("forward"))?;
+        let old_g = ranks.forward_logprobs(trainer, &groups_g, Weights::Policy, temperature)?;
         // Trajectories are ordered (prompt, sample), the same order as the flattened
         // groups.
         let old_logprobs_t = flat_logprobs(&old_g);
@@ -609,11 +615,7 @@ fn prepare_update<X: std::error::Error + Send + Sync + 'static>(
         old_logprobs_t
     };
     let ref_g = if uses_reference(inputs.algorithm) {
-        Some(
-            trainer
-                .forward(&groups_g, Weights::Reference, temperature)
-                .map_err(Error::verb("forward"))?,
-        )
+        Some(ranks.forward_logprobs(trainer, &groups_g, Weights::Reference, temperature)?)
     } else {
         None
     };
@@ -644,7 +646,11 @@ fn prepare_update<X: std::error::Error + Send + Sync + 'static>(
     let first = match train_g.chunks(inputs.mini_batch_size).next() {
         Some(mini_batch) if inputs.first_trains => Some(
             trainer
-                .forward_backward(mini_batch, inputs.policy_loss, temperature)
+                .forward_backward(
+                    &ranks.train_share(mini_batch),
+                    inputs.policy_loss,
+                    temperature,
+                )
                 .map_err(Error::verb("forward_backward"))?,
         ),
         _ => None,
@@ -768,13 +774,9 @@ fn rollout_metrics(
     metrics
 }
 
-/// Per-token log-probs of the batch, sequences end to end, from per-group outputs.
-fn flat_logprobs(outputs_g: &[Vec<TokenOutputs>]) -> Vec<f64> {
-    outputs_g
-        .iter()
-        .flatten()
-        .flat_map(|o| o.logprobs.clone())
-        .collect()
+/// Per-token log-probs of the batch, sequences end to end, from per-group ones.
+fn flat_logprobs(logprobs_g: &[Vec<Vec<f64>>]) -> Vec<f64> {
+    logprobs_g.iter().flatten().flatten().copied().collect()
 }
 
 /// What [`advantages`] gives the policy update.
