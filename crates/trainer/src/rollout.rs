@@ -12,11 +12,13 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use floe_backend::sampling::{mix64, GAMMA};
+use floe_engine::native_api::{float, float_map};
 use floe_engine::{Generation, SampleRequest, SamplingParams as EngineSamplingParams, StopReason};
 use floe_env::env::{Env, EnvError, Message, Registry, StepOutput};
 use floe_env::scoring::Scorer;
 use floe_model::chat_template::ChatTemplate;
 use floe_model::tokenizer::Tokenizer;
+use serde::{Deserialize, Serialize};
 
 use crate::config::RecipeSamplingParams;
 use crate::data::{render_messages, Prompt};
@@ -78,7 +80,9 @@ pub struct Rollouts {
 }
 
 /// One scored trajectory: a prompt and the model's turns (with observations between them).
-#[derive(Clone, Debug)]
+/// Serde (exact floats, non-finite ones included) for the batch a one-step-off checkpoint
+/// holds.
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Trajectory {
     /// Index of its prompt in the rollout's prompt list.
     pub prompt: usize,
@@ -89,16 +93,21 @@ pub struct Trajectory {
     /// Response token ids: generated tokens and, multi-turn, observation tokens.
     pub response: Vec<u32>,
     /// 1 on generated tokens, 0 on observation tokens.
+    #[serde(with = "crate::checkpoint::float_vec")]
     pub loss_mask: Vec<f64>,
     /// Each turn's reward on the last token of that turn.
+    #[serde(with = "crate::checkpoint::float_vec")]
     pub token_rewards: Vec<f64>,
     /// The sampler's log-probs (0 on observation tokens); empty if not requested.
+    #[serde(with = "crate::checkpoint::float_vec")]
     pub rollout_logprobs: Vec<f64>,
     /// Total reward (sum over turns).
+    #[serde(with = "float")]
     pub reward: f64,
     /// The decoded response, turns and observations in order.
     pub text: String,
     /// Environment metrics, averaged over the turns.
+    #[serde(with = "float_map")]
     pub env_metrics: BTreeMap<String, f64>,
     /// The environment that scored it.
     pub env_class: String,
@@ -113,7 +122,7 @@ pub struct Trajectory {
 }
 
 /// Seconds spent generating and then waiting on scoring that had not overlapped.
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize)]
 pub struct RolloutTiming {
     /// Wall time inside [`Engine::sample`].
     pub generate: f64,

@@ -25,10 +25,10 @@ use floe_rl::metrics::names;
 use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::checkpoint::{
-    load_trainer_state, resume_checkpoint, save_checkpoint, TrainerState, CHECKPOINTS_DIR,
-    ENGINE_DIR,
+    load_pending_batch, load_trainer_state, resume_checkpoint, save_checkpoint, TrainerState,
+    CHECKPOINTS_DIR, ENGINE_DIR, PENDING_BATCH_FILE,
 };
-use crate::config::{Config, Logger, TrainerConfig};
+use crate::config::{Config, Logger, PipelineMode, TrainerConfig};
 use crate::data::{load_split, prepare_prompts, Prompt, Split};
 use crate::error::{Error, Result};
 use crate::eval::{evaluate, write_records, EvalSpec, EVALS_DIR};
@@ -399,7 +399,7 @@ impl<'a, E: Engine> Run<'a, E> {
     ) -> Result<Self> {
         let t = &config.trainer;
         let console = t.logger.contains(&Logger::Console);
-        let state = match resume_from {
+        let mut state = match resume_from {
             Some(checkpoint) => restore(engine, checkpoint, &t.run_dir, console)?,
             None => fresh_state(config, prompts.rl.len())?,
         };
@@ -414,6 +414,10 @@ impl<'a, E: Engine> Run<'a, E> {
                 ),
             });
         }
+        let pending = match resume_from {
+            Some(checkpoint) => restore_pending(config, checkpoint, &mut state, total_steps)?,
+            None => None,
+        };
         let sink = MetricsSink::create_with(
             &t.run_dir,
             resume_from.map(|_| state.global_step),
@@ -439,7 +443,7 @@ impl<'a, E: Engine> Run<'a, E> {
                 Some(_) => None,
                 None => Some(checkpoint_bytes(config)?),
             },
-            pending: None,
+            pending,
         })
     }
 
@@ -522,8 +526,8 @@ impl<'a, E: Engine> Run<'a, E> {
             if let Some(bytes) = self.checkpoint_bytes {
                 check_checkpoint_space(self.config, bytes)?;
             }
-            // A batch sampled for the next step is not saved: the checkpoint's cursor
-            // stands before it, so a resume samples those prompts again, with these weights.
+            // A batch sampled for the next step is saved beside the state, whose cursor
+            // stands before it (what a resume without the batch samples again).
             let state = match &self.pending {
                 Some(next) => TrainerState {
                     data_cursor: next.cursor_before.clone(),
@@ -531,7 +535,13 @@ impl<'a, E: Engine> Run<'a, E> {
                 },
                 None => self.state.clone(),
             };
-            save_checkpoint(self.engine, &t.run_dir, &state, t.max_ckpts_to_keep)?;
+            save_checkpoint(
+                self.engine,
+                &t.run_dir,
+                &state,
+                self.pending.as_ref(),
+                t.max_ckpts_to_keep,
+            )?;
         }
         Ok(())
     }
@@ -589,6 +599,64 @@ fn restore<E: Engine>(
         );
     }
     Ok(state)
+}
+
+/// The batch a one-step-off checkpoint sampled ahead, with `state`'s cursor moved past
+/// it, so the resumed run trains exactly what the uninterrupted one does. A sync run
+/// drops it (and samples those prompts again from the saved cursor); a one-step-off run
+/// resumed from a checkpoint without one samples them again too, with the checkpoint's
+/// weights, and is told it no longer replays the uninterrupted run.
+fn restore_pending(
+    config: &Config,
+    checkpoint: &Path,
+    state: &mut TrainerState,
+    total_steps: u64,
+) -> Result<Option<SampledBatch>> {
+    let one_step_off = config.trainer.pipeline.mode == PipelineMode::OneStepOff;
+    let path = checkpoint.join(PENDING_BATCH_FILE);
+    match load_pending_batch::<SampledBatch>(checkpoint)? {
+        Some(batch) if one_step_off => {
+            if batch.cursor_before != state.data_cursor
+                || batch.policy_version > state.optimizer_steps
+            {
+                return Err(Error::Checkpoint {
+                    path,
+                    message: format!(
+                        "its batch was drawn at data cursor {:?} by policy version {}, but                          the checkpoint's trainer state stands at {:?} after {} optimizer                          steps; the file belongs to another checkpoint",
+                        batch.cursor_before,
+                        batch.policy_version,
+                        state.data_cursor,
+                        state.optimizer_steps
+                    ),
+                });
+            }
+            state.data_cursor = batch.cursor_after.clone();
+            Ok(Some(batch))
+        }
+        Some(_) => {
+            tracing::warn!(
+                "{}: trainer.pipeline.mode = sync drops the batch a one-step-off run sampled \
+                 ahead; step {} samples those prompts again with the checkpoint's weights",
+                path.display(),
+                state.global_step + 1
+            );
+            Ok(None)
+        }
+        None => {
+            if one_step_off && state.global_step < total_steps {
+                tracing::warn!(
+                    "{} has no {PENDING_BATCH_FILE} (a sync run's checkpoint, the last step \
+                     of a shorter run, or one written before floe saved the batch sampled \
+                     ahead): step {} samples its prompts again from the saved data cursor \
+                     with the checkpoint's weights, so the run from here is not bit-identical \
+                     to an uninterrupted one",
+                    checkpoint.display(),
+                    state.global_step + 1
+                );
+            }
+            Ok(None)
+        }
+    }
 }
 
 /// The trainer state before step 1 of a fresh run over `num_rl_prompts` prompts.
