@@ -214,30 +214,34 @@ impl Rollouts {
             let tokenizer = Arc::clone(&self.tokenizer);
             let scorer = &mut self.scorer;
             let live_ref = &mut live;
-            engine
-                .sample(requests, &mut |generation: Generation| {
-                    if failed.is_some() {
+            let sampled = engine.sample(requests, &mut |generation: Generation| {
+                if failed.is_some() {
+                    return;
+                }
+                let id = generation.request_id;
+                let l = &mut live_ref[id as usize];
+                let text = match append_generation(l, &generation, &tokenizer) {
+                    Ok(text) => text,
+                    Err(err) => {
+                        failed = Some(err);
                         return;
                     }
-                    let id = generation.request_id;
-                    let l = &mut live_ref[id as usize];
-                    let text = match append_generation(l, &generation, &tokenizer) {
-                        Ok(text) => text,
-                        Err(err) => {
-                            failed = Some(err);
-                            return;
-                        }
-                    };
-                    let mut env = l.env.take().expect("a live trajectory holds its env");
-                    scorer.submit(id, move || {
-                        let out = env.step(&text);
-                        (env, out)
-                    });
-                })
-                .map_err(|err| Error::EngineVerb {
+                };
+                let mut env = l.env.take().expect("a live trajectory holds its env");
+                scorer.submit(id, move || {
+                    let out = env.step(&text);
+                    (env, out)
+                });
+            });
+            if let Err(err) = sampled {
+                // The scoring of the samples delivered before the failure must not reach
+                // the next rollout (a run that recovers from a lost remote engine goes on).
+                self.scorer.drain();
+                return Err(Error::EngineVerb {
                     verb: "sample",
                     source: Box::new(err),
-                })?;
+                });
+            }
             timing.generate += start.elapsed().as_secs_f64();
             let start = Instant::now();
             let scored = self.scorer.drain();

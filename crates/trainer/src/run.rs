@@ -25,8 +25,8 @@ use floe_rl::metrics::names;
 use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::checkpoint::{
-    load_pending_batch, load_trainer_state, resume_checkpoint, save_checkpoint, TrainerState,
-    CHECKPOINTS_DIR, ENGINE_DIR, PENDING_BATCH_FILE,
+    latest_checkpoint, load_pending_batch, load_trainer_state, resume_checkpoint, save_checkpoint,
+    TrainerState, CHECKPOINTS_DIR, ENGINE_DIR, PENDING_BATCH_FILE,
 };
 use crate::config::{Config, Logger, PipelineMode, TrainerConfig};
 use crate::data::{load_split, prepare_prompts, Prompt, Split};
@@ -203,15 +203,20 @@ pub fn run_loop<E: Engine>(
     }
     let progress = Progress::new(run.console, total_steps, run.state.global_step);
     let mut final_eval = BTreeMap::new();
-    for step in (run.state.global_step + 1)..=total_steps {
-        let metrics = run.rl_step(step)?;
-        // Logged before the step's checkpoint, so a resume keeps exactly them.
-        run.log(step, &metrics)?;
-        progress.show_step(step, &metrics);
-        if run.eval_due(step) {
-            final_eval = progress.suspend(|| run.eval(step))?;
+    let mut recoveries = 0;
+    let mut step = run.state.global_step + 1;
+    while step <= total_steps {
+        match run.step_with_eval_and_checkpoint(step, &progress) {
+            Ok(Some(eval)) => final_eval = eval,
+            Ok(None) => {}
+            Err(error) => {
+                run.recover(error, &mut recoveries)?;
+                step = run.state.global_step + 1;
+                progress.bar.set_position(run.state.global_step);
+                continue;
+            }
         }
-        run.checkpoint_on_interval(step)?;
+        step += 1;
     }
     progress.finish();
     run.finish(final_eval, inputs.resume_from, inputs.started)
@@ -489,6 +494,66 @@ impl<'a, E: Engine> Run<'a, E> {
         self.engine
             .reset_optimizer()
             .map_err(Error::verb("reset_optimizer"))
+    }
+
+    /// RL step `step`, logged and shown, then its eval and checkpoint when due; the eval's
+    /// metrics when it evaluated.
+    fn step_with_eval_and_checkpoint(
+        &mut self,
+        step: u64,
+        progress: &Progress,
+    ) -> Result<Option<BTreeMap<String, f64>>> {
+        let metrics = self.rl_step(step)?;
+        // Logged before the step's checkpoint, so a resume keeps exactly them.
+        self.log(step, &metrics)?;
+        progress.show_step(step, &metrics);
+        let eval = match self.eval_due(step) {
+            true => Some(progress.suspend(|| self.eval(step))?),
+            false => None,
+        };
+        self.checkpoint_on_interval(step)?;
+        Ok(eval)
+    }
+
+    /// After `error`: when the remote server lost the engine (it restarted), the run
+    /// rewinds to its latest checkpoint as `trainer.resume=latest` would (engine state,
+    /// trainer state, the batch sampled ahead, metrics and samples files) and goes on from
+    /// there, at most `engine.max_remote_recoveries` times; any other error, or one without
+    /// a checkpoint to go back to, is returned.
+    fn recover(&mut self, mut error: Error, recoveries: &mut u32) -> Result<()> {
+        let max = self.config.engine.max_remote_recoveries;
+        let run_dir = &self.config.trainer.run_dir;
+        loop {
+            if !error.lost_remote_engine() || *recoveries >= max {
+                return Err(error);
+            }
+            let Some(checkpoint) = latest_checkpoint(run_dir)? else {
+                return Err(error);
+            };
+            *recoveries += 1;
+            tracing::warn!(
+                "{error}\nrewinding to {} and going on (recovery {recoveries} of \
+                 engine.max_remote_recoveries = {max})",
+                checkpoint.display()
+            );
+            // The server may go away again while the state loads.
+            match self.rewind(&checkpoint) {
+                Err(again) => error = again,
+                done => return done,
+            }
+        }
+    }
+
+    /// Sets the engine and the run as a resume from `checkpoint` would.
+    fn rewind(&mut self, checkpoint: &Path) -> Result<()> {
+        let t = &self.config.trainer;
+        let run_dir = &t.run_dir;
+        let mut state = restore(self.engine, checkpoint, run_dir, self.console)?;
+        self.pending = restore_pending(self.config, checkpoint, &mut state, self.total_steps)?;
+        self.sink = MetricsSink::create_with(run_dir, Some(state.global_step), &t.logger)?;
+        self.step_settings.restore_kl(&t.algorithm, state.kl_coef);
+        self.state = state;
+        Ok(())
     }
 
     /// Logs `metrics` for `step` and remembers their latest values in the trainer state.

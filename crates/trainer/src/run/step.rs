@@ -69,9 +69,7 @@ impl StepSettings {
     ) -> Self {
         let t = &config.trainer;
         let sampling = &config.generator.sampling_params;
-        let mut kl = KlController::new(&t.algorithm);
-        kl.coef = kl_coef;
-        Self {
+        let mut settings = Self {
             sampling: engine_sampling_params(sampling, tokenizer),
             temperature: match sampling.temperature {
                 t if t > 0.0 => t as f32,
@@ -89,8 +87,16 @@ impl StepSettings {
                 t.policy_mini_batch_size as u64,
                 t.update_epochs_per_batch as u64,
             ),
-            kl,
-        }
+            kl: KlController::new(&t.algorithm),
+        };
+        settings.restore_kl(&t.algorithm, kl_coef);
+        settings
+    }
+
+    /// The KL controller of `algorithm` at the coefficient `kl_coef` a trainer state saved.
+    pub(super) fn restore_kl(&mut self, algorithm: &AlgorithmConfig, kl_coef: f64) {
+        self.kl = KlController::new(algorithm);
+        self.kl.coef = kl_coef;
     }
 }
 
