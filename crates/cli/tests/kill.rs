@@ -4,7 +4,8 @@
 //! under a remote run. Each time `trainer.resume=latest` must end with the metrics.jsonl of
 //! an uninterrupted run, bit for bit (timings aside), and no checkpoint may be left
 //! half-written or unreadable; a server that lost the saved state must be named in the
-//! trainer's error; a server restarted under a live remote run is survived.
+//! trainer's error (with `engine.max_remote_recoveries=0`); a server restarted under a live
+//! remote run, right after a checkpoint or in the middle of a step, is survived.
 
 mod support;
 
@@ -369,8 +370,9 @@ fn a_killed_server_fails_the_run_clearly_and_a_restart_resumes_it() {
     // SIGKILL the server in the middle of a random step after the first checkpoint.
     let k = 1 + random_below(STEPS - 1);
     let pause = step_time.mul_f64(random_below(100) as f64 / 100.0);
-    // Not waiting for a server that does not come back.
+    // Not waiting for a server that does not come back, nor rewinding to a checkpoint.
     let mut child = remote_train(&run_dir, &server.url)
+        .arg("engine.max_remote_recoveries=0")
         .env(floe_engine::remote::RECONNECT_WAIT_ENV, "0")
         .spawn()
         .unwrap();
@@ -429,23 +431,22 @@ fn a_killed_server_fails_the_run_clearly_and_a_restart_resumes_it() {
     );
 }
 
-/// `floe serve` killed and started again on its data folder right after a checkpoint,
-/// while the run goes on: the trainer waits for the server, gets its engine back from the
-/// checkpoint's saved state and ends with the uninterrupted run's metrics, without a
-/// resume. Should the restart land after the next step trained (the server's engine then
-/// held training no checkpoint has), the run stops naming the state to resume from, and
-/// the resume ends the same.
-#[test]
-fn a_server_restarted_under_a_live_run_gives_the_same_run() {
-    let dir = tempfile::tempdir().unwrap();
-    let serve_dir = dir.path().join("serve");
-    let mut server = Server::start(&serve_dir, API_KEY);
+/// Kills `server` and starts it again on `serve_dir` at its port when `ready` holds for
+/// `run_dir`, under the live remote run `child`; the run must end by itself with the
+/// uninterrupted run's metrics and samples (the trainer gets its engine back from the
+/// saved state, or rewinds to its last checkpoint when training since was lost). Returns
+/// the run's stderr.
+fn restart_server_under_live_run(
+    mut server: Server,
+    serve_dir: &Path,
+    run_dir: &Path,
+    mut child: Child,
+    what: &str,
+    ready: impl Fn(&Path) -> bool,
+) -> String {
     let port = server.port();
-    let run_dir = dir.path().join("run");
-    let k = 1 + random_below(STEPS - 1);
-    let mut child = remote_train(&run_dir, &server.url).spawn().unwrap();
     let deadline = Instant::now() + RUN_TIMEOUT;
-    while latest_step(&run_dir).is_none_or(|step| step < k) {
+    while !ready(run_dir) {
         assert!(
             child.try_wait().unwrap().is_none(),
             "floe train ended early"
@@ -454,22 +455,148 @@ fn a_server_restarted_under_a_live_run_gives_the_same_run() {
         std::thread::sleep(Duration::from_millis(1));
     }
     server.kill();
-    let restarted = Server::start_at(port, &serve_dir, Some(API_KEY), &[]);
+    let _restarted = Server::start_at(port, serve_dir, Some(API_KEY), &[]);
     let output = child.wait_with_output().unwrap();
     let stderr = String::from_utf8_lossy(&output.stderr);
-    if output.status.success() {
-        eprintln!("floe serve restarted after checkpoint {k}: the run went on");
-    } else {
-        assert!(
-            stderr.contains("no longer has engine") && stderr.contains("trainer.resume=latest"),
-            "the run stopped without naming the state to resume from: {stderr}"
-        );
-        eprintln!("floe serve restarted after the step that followed checkpoint {k}: resuming");
-        run_ok(remote_train(&run_dir, &restarted.url), "the resumed run");
+    assert!(
+        output.status.success(),
+        "floe serve restarted {what}: the run did not go on by itself:\n{stderr}"
+    );
+    match stderr.lines().find(|line| line.contains("rewinding to")) {
+        Some(line) => eprintln!("floe serve restarted {what}: {}", line.trim()),
+        None => eprintln!("floe serve restarted {what}: the engine came back as it was"),
     }
-    check_checkpoints(&run_dir);
+    check_checkpoints(run_dir);
     assert_same_run(
+        run_dir,
+        &format!("remote run with floe serve restarted {what} vs the uninterrupted local run"),
+    );
+    stderr.into_owned()
+}
+
+/// `floe serve` killed and started again on its data folder right after a random
+/// checkpoint of a live `floe train`: the trainer waits for the server, gets its engine
+/// back from the checkpoint's saved state (or, should the restart land after the next
+/// step trained, rewinds to the checkpoint) and ends with the uninterrupted run's metrics.
+#[test]
+fn a_server_restarted_under_a_live_run_gives_the_same_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let serve_dir = dir.path().join("serve");
+    let server = Server::start(&serve_dir, API_KEY);
+    let run_dir = dir.path().join("run");
+    let k = 1 + random_below(STEPS - 1);
+    let child = remote_train(&run_dir, &server.url).spawn().unwrap();
+    let _ = restart_server_under_live_run(
+        server,
+        &serve_dir,
         &run_dir,
-        "remote run with floe serve restarted under it vs the uninterrupted local run",
+        child,
+        &format!("after checkpoint {k}"),
+        |dir| latest_step(dir).is_some_and(|step| step >= k),
+    );
+}
+
+/// A loopback TCP relay between `floe train` and `floe serve` that reports each training
+/// verb (`forward_backward`, `optim_step`) as its request reaches the server, so a test can
+/// kill the server while the verb runs. A connection that finds the server down waits for
+/// it (as a refused connection would make the client do) before giving up.
+struct Relay {
+    /// `http://127.0.0.1:PORT` of the relay.
+    url: String,
+    /// One message per training verb sent on.
+    training_verbs: std::sync::mpsc::Receiver<String>,
+}
+
+impl Relay {
+    fn start(server_port: u16) -> Relay {
+        use std::net::{TcpListener, TcpStream};
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let (sender, training_verbs) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for client in listener.incoming().flatten() {
+                let sender = sender.clone();
+                std::thread::spawn(move || {
+                    let deadline = Instant::now() + Duration::from_secs(60);
+                    let server = loop {
+                        match TcpStream::connect(("127.0.0.1", server_port)) {
+                            Ok(server) => break server,
+                            Err(_) if Instant::now() < deadline => {
+                                std::thread::sleep(Duration::from_millis(20))
+                            }
+                            Err(_) => return,
+                        }
+                    };
+                    let (mut client_read, mut server_write) =
+                        (client.try_clone().unwrap(), server.try_clone().unwrap());
+                    let (mut server_read, mut client_write) = (server, client);
+                    std::thread::spawn(move || {
+                        let _ = std::io::copy(&mut server_read, &mut client_write);
+                        let _ = client_write.shutdown(std::net::Shutdown::Both);
+                    });
+                    let mut buffer = [0u8; 64 * 1024];
+                    loop {
+                        let n = match std::io::Read::read(&mut client_read, &mut buffer) {
+                            Ok(0) | Err(_) => break,
+                            Ok(n) => n,
+                        };
+                        if std::io::Write::write_all(&mut server_write, &buffer[..n]).is_err() {
+                            break;
+                        }
+                        let text = String::from_utf8_lossy(&buffer[..n]);
+                        for verb in ["/forward_backward ", "/optim_step "] {
+                            if text.contains(verb) {
+                                let _ = sender.send(verb.trim().to_string());
+                            }
+                        }
+                    }
+                    let _ = server_write.shutdown(std::net::Shutdown::Both);
+                });
+            }
+        });
+        Relay {
+            url,
+            training_verbs,
+        }
+    }
+}
+
+/// `floe serve` killed while a training verb of a live remote run runs on it (the verb's
+/// request has reached the server; a relay between the two tells when), at a random verb
+/// after the first checkpoint, and started again: the trainer's verb is cut off, so the
+/// run rewinds to its last checkpoint and ends with the uninterrupted run's metrics.
+#[test]
+fn a_server_killed_mid_training_verb_and_restarted_gives_the_same_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let serve_dir = dir.path().join("serve");
+    let server = Server::start(&serve_dir, API_KEY);
+    let relay = Relay::start(server.port());
+    let run_dir = dir.path().join("run");
+    // Training verbs of one step: two mini-batches, a forward_backward and an optim_step
+    // each.
+    let skip = random_below(4 * (STEPS - 1));
+    let child = remote_train(&run_dir, &relay.url).spawn().unwrap();
+    let deadline = Instant::now() + RUN_TIMEOUT;
+    let mut seen = 0;
+    let verb = loop {
+        let verb = relay
+            .training_verbs
+            .recv_timeout(deadline.saturating_duration_since(Instant::now()))
+            .expect("no training verb in time");
+        if latest_step(&run_dir).is_some() {
+            if seen == skip {
+                break verb;
+            }
+            seen += 1;
+        }
+    };
+    // The request is on the server; give it a moment to start computing.
+    std::thread::sleep(Duration::from_millis(random_below(20)));
+    let what = format!("during {verb} ({skip} training verbs after the first checkpoint)");
+    let stderr =
+        restart_server_under_live_run(server, &serve_dir, &run_dir, child, &what, |_| true);
+    assert!(
+        stderr.contains("rewinding to"),
+        "the lost training was not rewound:\n{stderr}"
     );
 }

@@ -1,5 +1,6 @@
 //! `floe train` killed with SIGKILL after its first checkpoint and started again resumes
-//! exactly: its metrics.jsonl equals that of an uninterrupted run (timing excluded).
+//! exactly: its metrics.jsonl equals that of an uninterrupted run (timing excluded), in
+//! both pipeline modes (a one-step-off checkpoint holds the batch sampled ahead).
 
 mod support;
 
@@ -11,11 +12,12 @@ use support::{assert_same_metrics, metrics_without_timing};
 
 const STEPS: u64 = 6;
 
-fn floe_train(run_dir: &Path) -> Command {
+fn floe_train(run_dir: &Path, mode: &str) -> Command {
     let mut command = Command::new(env!("CARGO_BIN_EXE_floe"));
     command
         .arg("train")
         .args([
+            format!("trainer.pipeline.mode={mode}"),
             format!("trainer.run_dir={}", run_dir.display()),
             "data.synthetic_train_size=32".into(),
             "data.synthetic_val_size=8".into(),
@@ -50,12 +52,12 @@ fn logged_steps(run_dir: &Path) -> u64 {
         .count() as u64
 }
 
-#[test]
-fn killed_run_resumes_to_the_same_metrics() {
+/// Runs the uninterrupted and the killed run of pipeline `mode` and compares them.
+fn killed_run_resumes_to_the_same_metrics(mode: &str) {
     let dir = tempfile::tempdir().unwrap();
     let whole: PathBuf = dir.path().join("whole");
     let killed: PathBuf = dir.path().join("killed");
-    assert!(floe_train(&whole).status().unwrap().success());
+    assert!(floe_train(&whole, mode).status().unwrap().success());
 
     // Kill at a random step after the first checkpoint (step 2), before the last.
     let nanos = SystemTime::now()
@@ -63,7 +65,7 @@ fn killed_run_resumes_to_the_same_metrics() {
         .unwrap()
         .subsec_nanos() as u64;
     let kill_after = 2 + nanos % (STEPS - 2);
-    let mut child = floe_train(&killed).spawn().unwrap();
+    let mut child = floe_train(&killed, mode).spawn().unwrap();
     let deadline = Instant::now() + Duration::from_secs(120);
     while logged_steps(&killed) < kill_after || !killed.join("checkpoints/latest").is_file() {
         assert!(
@@ -77,11 +79,21 @@ fn killed_run_resumes_to_the_same_metrics() {
     child.wait().unwrap();
     assert!(killed.join("checkpoints/latest").is_file());
 
-    assert!(floe_train(&killed).status().unwrap().success());
+    assert!(floe_train(&killed, mode).status().unwrap().success());
     assert_same_metrics(
         &metrics_without_timing(&killed),
         &metrics_without_timing(&whole),
-        &format!("resumed run (killed after step {kill_after}) vs the uninterrupted run"),
+        &format!("{mode} run resumed (killed after step {kill_after}) vs the uninterrupted run"),
     );
     assert!(killed.join("report.html").is_file());
+}
+
+#[test]
+fn a_killed_sync_run_resumes_to_the_same_metrics() {
+    killed_run_resumes_to_the_same_metrics("sync");
+}
+
+#[test]
+fn a_killed_one_step_off_run_resumes_to_the_same_metrics() {
+    killed_run_resumes_to_the_same_metrics("one_step_off");
 }

@@ -112,7 +112,8 @@ pub use packing::{
 };
 pub use sampler::{
     sample_seed, CachedInput, CachedModel, Detokenizer, Generation, SampleError, SampleEvent,
-    SampleProgress, SampleRequest, Sampler, SamplerConfig, SamplerStats, SamplingParams,
+    SampleFlow, SampleProgress, SampleRequest, Sampler, SamplerConfig, SamplerStats,
+    SamplingParams,
 };
 pub use speculative::NgramSpec;
 pub use stop::{Stop, StopConditions, StopReason};

@@ -46,7 +46,8 @@ use crate::policy::{
     is_lora_state, OptimParams, OptimizerPlacement, Policy, StepOutcome, ADAPTER_DIR, MODEL_DIR,
 };
 use crate::sampler::{
-    Generation, SampleError, SampleEvent, SampleRequest, Sampler, SamplerConfig, SamplerStats,
+    Generation, SampleError, SampleEvent, SampleFlow, SampleRequest, Sampler, SamplerConfig,
+    SamplerStats,
 };
 use crate::speculative::NgramSpec;
 // The two sides are named by path: in scope, their methods would clash with the
@@ -722,7 +723,7 @@ impl<B: Backend> Engine for LocalEngine<B> {
     fn sample_streaming(
         &mut self,
         requests: Vec<SampleRequest>,
-        on_event: &mut dyn FnMut(SampleEvent<'_>),
+        on_event: &mut dyn FnMut(SampleEvent<'_>) -> SampleFlow,
     ) -> Result<()> {
         self.sampling_view().run(requests, |sampler, model| {
             sampler.run_streaming(model, on_event)
@@ -1211,7 +1212,7 @@ impl Engine for AnyLocalEngine {
     fn sample_streaming(
         &mut self,
         requests: Vec<SampleRequest>,
-        on_event: &mut dyn FnMut(SampleEvent<'_>),
+        on_event: &mut dyn FnMut(SampleEvent<'_>) -> SampleFlow,
     ) -> Result<()> {
         dispatch!(self, e => e.sample_streaming(requests, on_event))
     }

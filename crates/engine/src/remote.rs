@@ -18,9 +18,12 @@
 //! last saved or loaded: the engine is created again, that state loaded, and the request
 //! sent again, so the run goes on exactly. When a training verb changed it since, those
 //! changes are lost with the engine, and the verb fails with [`RemoteError::EngineLost`],
-//! which names the saved state to resume from. A read-only request cut off mid-way (the
-//! server died while it ran) is sent again the same way; a seeded sample's samples
-//! already delivered are not delivered twice.
+//! which names the saved state to resume from (a trainer with a checkpoint rewinds to it:
+//! `engine.max_remote_recoveries`). A read-only request cut off mid-way (the server died
+//! while it ran) is sent again the same way, and so is `load_state`, which replaces the
+//! whole state; a seeded sample's samples already delivered are not delivered twice. A
+//! training verb cut off mid-way fails with [`RemoteError::Transport`]: whether it ran is
+//! unknown.
 
 use std::collections::BTreeMap;
 use std::collections::HashSet;
@@ -173,6 +176,9 @@ pub struct RemoteEngine {
 enum Effect {
     ReadOnly,
     Trains,
+    /// Replaces the whole state (`load_state`): a cut-off request is sent again, as a
+    /// read-only one is, since sending it twice gives the same engine.
+    Replaces,
 }
 
 impl RemoteEngine {
@@ -286,7 +292,7 @@ impl RemoteEngine {
         let before = self.recovery.clone();
         let (mut resent, mut recovered) = (0, false);
         loop {
-            if effect == Effect::Trains {
+            if effect != Effect::ReadOnly {
                 self.recovery = match &before {
                     Recovery::Create => Recovery::Lost(None),
                     Recovery::Load(id) => Recovery::Lost(Some(id.clone())),
@@ -308,9 +314,10 @@ impl RemoteEngine {
                     self.recover()?;
                     recovered = true;
                 }
-                // It changed nothing: send it again (to a restarted server, a later try
-                // answers 404 for the engine).
-                RemoteError::Transport { .. } if effect == Effect::ReadOnly && resent < RESENDS => {
+                // It changed nothing, or what it changes does not depend on the engine's
+                // state: send it again (to a restarted server, a later try answers 404 for
+                // the engine).
+                RemoteError::Transport { .. } if effect != Effect::Trains && resent < RESENDS => {
                     tracing::warn!("{error}; sending it again");
                     resent += 1;
                 }
@@ -676,7 +683,7 @@ impl Engine for RemoteEngine {
         };
         // Whatever the engine held is replaced: a lost engine is simply created again.
         self.recovery = Recovery::Create;
-        self.info = self.verb("load_state", Effect::Trains, &body)?;
+        self.info = self.verb("load_state", Effect::Replaces, &body)?;
         self.recovery = Recovery::Load(record.state_id);
         Ok(())
     }

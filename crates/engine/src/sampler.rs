@@ -192,6 +192,16 @@ pub enum SampleEvent<'a> {
     Finished(Generation),
 }
 
+/// What a streaming caller answers to a [`SampleEvent::Progress`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SampleFlow {
+    /// Go on sampling the request.
+    Continue,
+    /// Stop every sample of the request now (its client is gone): they free their KV
+    /// blocks and are never reported as finished.
+    Cancel,
+}
+
 /// Sizes and limits of a [`Sampler`].
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -240,6 +250,8 @@ pub struct SamplerStats {
     pub preemptions: u64,
     /// Samples finished.
     pub finished: u64,
+    /// Samples cancelled before they finished ([`SampleFlow::Cancel`]).
+    pub cancelled: u64,
     /// Time in the model's forward and sampling.
     pub model_time: Duration,
     /// Time in [`Sampler::step`] overall (scheduling, model, stop checks, callbacks).
@@ -569,6 +581,7 @@ impl<M: CachedModel> Sampler<M> {
                     let index = generation.sample_index;
                     slots[(key - first_key) as usize][index] = Some(generation);
                 }
+                SampleFlow::Continue
             })?;
         }
         Ok(slots
@@ -592,11 +605,12 @@ impl<M: CachedModel> Sampler<M> {
     }
 
     /// [`Sampler::run`] that also reports each running sample's tokens after every step
-    /// that decodes one ([`SampleEvent::Progress`]), for streaming to a client.
+    /// that decodes one ([`SampleEvent::Progress`]), for streaming to a client; a progress
+    /// answered [`SampleFlow::Cancel`] stops its request's samples after that step.
     pub fn run_streaming(
         &mut self,
         model: &M,
-        on_event: &mut dyn FnMut(SampleEvent<'_>),
+        on_event: &mut dyn FnMut(SampleEvent<'_>) -> SampleFlow,
     ) -> Result<(), SampleError> {
         while self.has_unfinished() {
             self.step_inner(model, true, &mut |_, event| on_event(event))?;
@@ -618,16 +632,18 @@ impl<M: CachedModel> Sampler<M> {
             if let SampleEvent::Finished(generation) = event {
                 on_finish(generation);
             }
+            SampleFlow::Continue
         })
     }
 
     /// One step; `progress` asks for [`SampleEvent::Progress`] of the samples that
-    /// decoded a token and go on. `emit` gets each event with its request's key.
+    /// decoded a token and go on. `emit` gets each event with its request's key; the
+    /// requests whose progress it answers [`SampleFlow::Cancel`] stop after the step.
     fn step_inner(
         &mut self,
         model: &M,
         progress: bool,
-        emit: &mut dyn FnMut(u64, SampleEvent<'_>),
+        emit: &mut dyn FnMut(u64, SampleEvent<'_>) -> SampleFlow,
     ) -> Result<(), SampleError> {
         if !self.has_unfinished() {
             return Ok(());
@@ -658,6 +674,7 @@ impl<M: CachedModel> Sampler<M> {
         self.stats.steps += 1;
 
         let mut finished = Vec::new();
+        let mut cancelled = Vec::new();
         for chunk in &chunks {
             match &mut self.running[chunk.seq] {
                 Running::Prefix(fill) => {
@@ -691,15 +708,20 @@ impl<M: CachedModel> Sampler<M> {
                         }
                         match stopped {
                             Some(reason) => finished.push((chunk.seq, reason)),
-                            None if progress => emit(
-                                seq.request,
-                                SampleEvent::Progress(SampleProgress {
-                                    request_id: request.id,
-                                    sample_index: seq.index,
-                                    tokens: &seq.tokens[seq.prompt_len..],
-                                    logprobs: &seq.logprobs,
-                                }),
-                            ),
+                            None if progress => {
+                                let flow = emit(
+                                    seq.request,
+                                    SampleEvent::Progress(SampleProgress {
+                                        request_id: request.id,
+                                        sample_index: seq.index,
+                                        tokens: &seq.tokens[seq.prompt_len..],
+                                        logprobs: &seq.logprobs,
+                                    }),
+                                );
+                                if flow == SampleFlow::Cancel {
+                                    cancelled.push(seq.request);
+                                }
+                            }
                             None => {}
                         }
                     }
@@ -742,6 +764,9 @@ impl<M: CachedModel> Sampler<M> {
                     emit(key, SampleEvent::Finished(generation));
                 }
             }
+        }
+        for key in cancelled {
+            self.cancel(key);
         }
         self.stats.step_time += started.elapsed();
         Ok(())
@@ -931,24 +956,55 @@ impl<M: CachedModel> Sampler<M> {
         self.blocks.release(&mut seq.table);
         seq.computed = 0;
         if let Some(id) = seq.waits_for.take() {
-            let position = self
-                .running
-                .iter()
-                .position(|r| matches!(r, Running::Prefix(f) if f.id == id))
-                .expect("a waiting sample's prefix fill is running");
-            let Running::Prefix(fill) = &mut self.running[position] else {
-                unreachable!()
-            };
-            fill.dependents -= 1;
-            if fill.dependents == 0 {
-                let Running::Prefix(mut fill) = self.running.remove(position) else {
-                    unreachable!()
-                };
-                self.blocks.release(&mut fill.table);
-            }
+            self.leave_fill(id);
         }
         self.stats.preemptions += 1;
         self.waiting.push_front(Waiting::Preempted(seq));
+    }
+
+    /// A sample stops waiting for the prefix fill `id`; the fill goes when none is left.
+    fn leave_fill(&mut self, id: u64) {
+        let position = self
+            .running
+            .iter()
+            .position(|r| matches!(r, Running::Prefix(f) if f.id == id))
+            .expect("a waiting sample's prefix fill is running");
+        let Running::Prefix(fill) = &mut self.running[position] else {
+            unreachable!()
+        };
+        fill.dependents -= 1;
+        if fill.dependents == 0 {
+            let Running::Prefix(mut fill) = self.running.remove(position) else {
+                unreachable!()
+            };
+            self.blocks.release(&mut fill.table);
+        }
+    }
+
+    /// Stops every unfinished sample of the request `key`: running ones free their blocks
+    /// (and a prefix fill left without dependents goes too), queued ones leave the queue.
+    fn cancel(&mut self, key: u64) {
+        let Some(request) = self.requests.remove(&key) else {
+            return;
+        };
+        self.stats.cancelled += request.unfinished as u64;
+        while let Some(index) = self
+            .running
+            .iter()
+            .position(|r| matches!(r, Running::Sample(seq) if seq.request == key))
+        {
+            let Running::Sample(mut seq) = self.running.remove(index) else {
+                unreachable!("matched above")
+            };
+            self.blocks.release(&mut seq.table);
+            if let Some(id) = seq.waits_for {
+                self.leave_fill(id);
+            }
+        }
+        self.waiting.retain(|waiting| match waiting {
+            Waiting::Request { key: k, .. } => *k != key,
+            Waiting::Preempted(seq) => seq.request != key,
+        });
     }
 
     /// Admits as much of the front of the queue as blocks and the sequence limit allow.

@@ -16,7 +16,7 @@ use floe_rl::AlgorithmConfig;
 use serde::{Deserialize, Serialize};
 
 use crate::policy::{OptimParams, StepOutcome};
-use crate::sampler::{Generation, SampleEvent, SampleRequest};
+use crate::sampler::{Generation, SampleEvent, SampleFlow, SampleRequest};
 
 /// What the loop needs to know about the engine's model.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -161,15 +161,16 @@ pub trait Engine {
     ) -> Result<(), Self::Error>;
     /// [`Engine::sample`] for a caller that streams: `on_event` also gets each running
     /// sample's tokens as they are decoded ([`SampleEvent::Progress`]), then each finished
-    /// sample. An engine that cannot report progress (the default) reports finished
-    /// samples only.
+    /// sample; answering a progress [`SampleFlow::Cancel`] stops that request's samples
+    /// (never reported as finished). An engine that cannot report progress (the default)
+    /// reports finished samples only, and so cancels nothing.
     fn sample_streaming(
         &mut self,
         requests: Vec<SampleRequest>,
-        on_event: &mut dyn FnMut(SampleEvent<'_>),
+        on_event: &mut dyn FnMut(SampleEvent<'_>) -> SampleFlow,
     ) -> Result<(), Self::Error> {
         self.sample(requests, &mut |generation| {
-            on_event(SampleEvent::Finished(generation))
+            on_event(SampleEvent::Finished(generation));
         })
     }
     /// Per-token log-probs and entropies of each group's responses, in order.

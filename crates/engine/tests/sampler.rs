@@ -11,7 +11,7 @@ use floe_backend::sampling::mix64;
 use floe_backend::{Backend, BufKind, SamplingRow};
 use floe_engine::{
     sample_seed, CachedInput, CachedModel, Generation, NgramSpec, SampleError, SampleEvent,
-    SampleRequest, Sampler, SamplerConfig, SamplingParams, Stop, StopReason,
+    SampleFlow, SampleRequest, Sampler, SamplerConfig, SamplingParams, Stop, StopReason,
 };
 
 const VOCAB: usize = 64;
@@ -494,38 +494,92 @@ fn progress_reports_each_token_as_it_is_decoded() {
     let mut seen: HashMap<(u64, usize), (Vec<u32>, Vec<f32>)> = HashMap::new();
     let mut finished = Vec::new();
     sampler
-        .run_streaming(&model, &mut |event| match event {
-            SampleEvent::Progress(p) => {
-                let (tokens, logprobs) = seen.entry((p.request_id, p.sample_index)).or_default();
-                assert_eq!(p.tokens.len(), tokens.len() + 1, "one new token a report");
-                assert_eq!(
-                    &p.tokens[..tokens.len()],
-                    &tokens[..],
-                    "reported tokens stay"
-                );
-                assert_eq!(&p.logprobs[..logprobs.len()], &logprobs[..]);
-                *tokens = p.tokens.to_vec();
-                *logprobs = p.logprobs.to_vec();
+        .run_streaming(&model, &mut |event| {
+            match event {
+                SampleEvent::Progress(p) => {
+                    let (tokens, logprobs) =
+                        seen.entry((p.request_id, p.sample_index)).or_default();
+                    assert_eq!(p.tokens.len(), tokens.len() + 1, "one new token a report");
+                    assert_eq!(
+                        &p.tokens[..tokens.len()],
+                        &tokens[..],
+                        "reported tokens stay"
+                    );
+                    assert_eq!(&p.logprobs[..logprobs.len()], &logprobs[..]);
+                    *tokens = p.tokens.to_vec();
+                    *logprobs = p.logprobs.to_vec();
+                }
+                SampleEvent::Finished(g) => {
+                    let (tokens, logprobs) = seen
+                        .remove(&(g.request_id, g.sample_index))
+                        .unwrap_or_default();
+                    assert_eq!(
+                        tokens.len() + 1,
+                        g.tokens.len(),
+                        "all but the last reported"
+                    );
+                    assert_eq!(tokens[..], g.tokens[..tokens.len()]);
+                    assert_eq!(logprobs[..], g.logprobs[..logprobs.len()]);
+                    finished.push(g);
+                }
             }
-            SampleEvent::Finished(g) => {
-                let (tokens, logprobs) = seen
-                    .remove(&(g.request_id, g.sample_index))
-                    .unwrap_or_default();
-                assert_eq!(
-                    tokens.len() + 1,
-                    g.tokens.len(),
-                    "all but the last reported"
-                );
-                assert_eq!(tokens[..], g.tokens[..tokens.len()]);
-                assert_eq!(logprobs[..], g.logprobs[..logprobs.len()]);
-                finished.push(g);
-            }
+            SampleFlow::Continue
         })
         .unwrap();
     assert!(seen.is_empty(), "reports of samples that never finished");
     let key = |g: &Generation| (g.request_id, g.sample_index);
     finished.sort_by_key(key);
     assert_eq!(finished, expected);
+}
+
+#[test]
+fn a_cancelled_request_stops_and_the_others_sample_as_alone() {
+    let model = ContextHashModel::default();
+    // Request 0 shares its prompt's blocks between its samples (a prefix fill); a small
+    // cache makes samples preempt and queue, so cancelling meets every state.
+    let requests = vec![
+        request(0, 9, 3, 40),
+        request(1, 5, 2, 30),
+        request(2, 7, 3, 20),
+    ];
+    let (expected, _) = generate(&model, config(24, 4, 16), &requests[1..]);
+    let mut sampler = Sampler::new(&model, config(24, 4, 16))
+        .unwrap()
+        .with_detokenizer(Box::new(detokenize));
+    for request in requests {
+        sampler.submit(request).unwrap();
+    }
+    let (mut finished, mut reports_after_cancel, mut cancelled) = (Vec::new(), 0, false);
+    sampler
+        .run_streaming(&model, &mut |event| match event {
+            SampleEvent::Progress(p) if p.request_id == 0 => {
+                reports_after_cancel += usize::from(cancelled);
+                // Cancelled at its third token.
+                cancelled |= p.tokens.len() == 3;
+                match cancelled {
+                    true => SampleFlow::Cancel,
+                    false => SampleFlow::Continue,
+                }
+            }
+            SampleEvent::Progress(_) => SampleFlow::Continue,
+            SampleEvent::Finished(g) => {
+                finished.push(g);
+                SampleFlow::Continue
+            }
+        })
+        .unwrap();
+    assert!(cancelled);
+    // Its other two samples may report once more in the step of the cancel, never after.
+    assert!(
+        reports_after_cancel <= 2,
+        "request 0 decoded after its cancel: {reports_after_cancel} reports"
+    );
+    assert!(finished.iter().all(|g| g.request_id != 0));
+    finished.sort_by_key(|g| (g.request_id, g.sample_index));
+    assert_eq!(finished, expected, "the other requests' samples changed");
+    assert_eq!(sampler.stats().cancelled, 3);
+    assert!(!sampler.has_unfinished());
+    assert_eq!(sampler.free_blocks(), 24, "every block returns to the pool");
 }
 
 #[test]

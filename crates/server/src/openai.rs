@@ -505,11 +505,22 @@ struct OpenAiSample {
 }
 
 impl SampleSink for OpenAiSample {
+    /// Always: the progress reports are also where a client that hung up (streaming or
+    /// not) is noticed and its samples cancelled.
     fn streams(&self) -> bool {
-        self.stream
+        true
+    }
+
+    /// The receiving end is dropped with the handler (a non-streaming client gone) or by
+    /// the stream's writer (a streaming client gone).
+    fn hung_up(&self) -> bool {
+        self.events.is_closed()
     }
 
     fn progress(&mut self, progress: SampleProgress<'_>) {
+        if !self.stream {
+            return;
+        }
         let index = progress.sample_index;
         if self.reported.len() <= index {
             self.reported.resize(index + 1, 0);
@@ -1319,6 +1330,11 @@ fn stream_choices(
         }
         let mut generations = Vec::new();
         while let Some(event) = receiver.recv().await {
+            if writer.out.is_closed() {
+                // The client hung up: dropping the receiver tells the engine's batch to
+                // cancel the samples.
+                return;
+            }
             match event {
                 Event::Tokens {
                     index,

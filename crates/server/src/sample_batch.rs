@@ -6,7 +6,8 @@
 //!
 //! A job is answered as soon as its own samples are done; a job that streams gets each
 //! running sample's tokens after every engine step (the whole batch then samples with
-//! progress reports). A job cancelled before the batch starts, or whose preparation fails
+//! progress reports), and one whose client hung up has its samples cancelled in the
+//! engine's batch at the next report, so their compute stops. A job cancelled before the batch starts, or whose preparation fails
 //! (prompt log-probs), is answered alone; a request the engine refuses fails its job alone
 //! and the rest are resubmitted (the engine checks every request before it samples any).
 
@@ -15,7 +16,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 use floe_engine::{
-    AnyLocalEngine, Engine, Generation, SampleError, SampleEvent, SampleProgress, SampleRequest,
+    AnyLocalEngine, Engine, Generation, SampleError, SampleEvent, SampleFlow, SampleProgress,
+    SampleRequest,
 };
 use serde::Serialize;
 
@@ -82,6 +84,12 @@ pub trait SampleSink: Send {
     }
     /// A running sample's tokens so far, under the client's request id.
     fn progress(&mut self, _progress: SampleProgress<'_>) {}
+    /// Whether the client is gone; asked with each progress report, and a job whose client
+    /// is gone has its samples cancelled in the engine's batch (it then wants
+    /// [`SampleSink::streams`] to be asked at all).
+    fn hung_up(&self) -> bool {
+        false
+    }
     /// One finished sample, under the client's request id.
     fn generation(&mut self, generation: Generation);
     /// The job is over: every sample was delivered, or it failed; returns its future's
@@ -145,6 +153,7 @@ pub struct SampleStats {
     requests: AtomicU64,
     samples: AtomicU64,
     tokens: AtomicU64,
+    cancelled: AtomicU64,
     micros: AtomicU64,
 }
 
@@ -163,6 +172,8 @@ pub struct SampleStatsSnapshot {
     pub samples: u64,
     /// Tokens generated.
     pub tokens: u64,
+    /// Samples cancelled unfinished (their client hung up).
+    pub cancelled_samples: u64,
     /// Seconds the engines spent in those calls.
     pub seconds: f64,
     /// `tokens / seconds`.
@@ -181,6 +192,7 @@ impl SampleStats {
             requests: self.requests.load(Ordering::Relaxed),
             samples: self.samples.load(Ordering::Relaxed),
             tokens,
+            cancelled_samples: self.cancelled.load(Ordering::Relaxed),
             seconds,
             tokens_per_second: if seconds > 0.0 {
                 tokens as f64 / seconds
@@ -252,7 +264,7 @@ pub(crate) fn run_batch(
         }
         running.push(job);
     }
-    let (mut requests, mut samples, mut tokens) = (0, 0, 0);
+    let (mut requests, mut samples, mut tokens, mut cancelled) = (0, 0, 0, 0);
     loop {
         // Engine id `first + i` is request `owners[i].1` of job `owners[i].0`.
         let first = *next_id;
@@ -288,18 +300,34 @@ pub(crate) fn run_batch(
             };
             let Some(&(j, client_id)) = owner(request_id) else {
                 tracing::warn!(id = request_id, "a sample of no request of this batch");
-                return;
+                return SampleFlow::Continue;
             };
             delivered = true;
             let job = &mut running[j];
             match event {
                 SampleEvent::Progress(progress) => {
-                    if let Some(sink) = &mut job.sink {
-                        sink.progress(SampleProgress {
-                            request_id: client_id,
-                            ..progress
-                        });
+                    let Some(sink) = &mut job.sink else {
+                        // Answered: its client hung up.
+                        return SampleFlow::Cancel;
+                    };
+                    if sink.hung_up() {
+                        cancelled += job.unfinished;
+                        tracing::info!(
+                            request = client_id,
+                            samples = job.unfinished,
+                            "the client hung up; its samples are cancelled"
+                        );
+                        let failure = SampleFailure {
+                            message: "the client hung up".to_string(),
+                            by_request: true,
+                        };
+                        job.answer(Err(failure), done);
+                        return SampleFlow::Cancel;
                     }
+                    sink.progress(SampleProgress {
+                        request_id: client_id,
+                        ..progress
+                    });
                 }
                 SampleEvent::Finished(mut generation) => {
                     generation.request_id = client_id;
@@ -314,13 +342,14 @@ pub(crate) fn run_batch(
                     }
                 }
             }
+            SampleFlow::Continue
         };
         let result = catch_unwind(AssertUnwindSafe(|| {
             if streams {
                 engine.sample_streaming(submitted, &mut on_event)
             } else {
                 engine.sample(submitted, &mut |generation| {
-                    on_event(SampleEvent::Finished(generation))
+                    on_event(SampleEvent::Finished(generation));
                 })
             }
         }));
@@ -358,7 +387,8 @@ pub(crate) fn run_batch(
             }
         }
     }
-    // Every future completes, even if the engine returned without some samples.
+    // Every future completes, even if the engine returned without some samples (a job
+    // cancelled for its hung-up client was answered then).
     for job in &mut running {
         let result = if job.unfinished == 0 {
             Ok(())
@@ -376,6 +406,9 @@ pub(crate) fn run_batch(
     stats.requests.fetch_add(requests as u64, Ordering::Relaxed);
     stats.samples.fetch_add(samples as u64, Ordering::Relaxed);
     stats.tokens.fetch_add(tokens as u64, Ordering::Relaxed);
+    stats
+        .cancelled
+        .fetch_add(cancelled as u64, Ordering::Relaxed);
     stats
         .micros
         .fetch_add(elapsed.as_micros() as u64, Ordering::Relaxed);

@@ -622,3 +622,84 @@ fn openai_python_sdk_chats_and_streams() {
     );
     assert!(stdout.contains("OpenAI SDK OK"), "{stdout}");
 }
+
+/// The server's sample counters (`GET /floe/v1/stats`).
+fn sampling_stats(addr: SocketAddr) -> Value {
+    let reply = request(addr, "GET", "/floe/v1/stats", &[("X-API-Key", KEY)], b"");
+    ok(&reply)["sampling"].clone()
+}
+
+/// Clients that hang up, streaming or not, get their samples cancelled in the engine's
+/// batch (the batch ends long before their `max_tokens`), and a later request is served.
+#[test]
+fn a_client_that_hangs_up_cancels_its_samples() {
+    use std::io::{Read, Write};
+    let dir = tempfile::tempdir().unwrap();
+    let addr = start(config(dir.path()));
+    let hang_up = |stream: bool, wait_for: &str| {
+        let body = json!({
+            "model": BASE_MODEL, "prompt": "User: Name a colour.", "max_tokens": 400, "n": 4,
+            "seed": 5, "stream": stream,
+        })
+        .to_string();
+        let mut client = std::net::TcpStream::connect(addr).unwrap();
+        write!(
+            client,
+            "POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n\
+             Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .unwrap();
+        // A streaming client reads a few chunks first; a waiting one reads nothing.
+        let mut seen = String::new();
+        let mut buffer = [0u8; 4096];
+        while !seen.contains(wait_for) {
+            let n = client.read(&mut buffer).unwrap();
+            assert!(n > 0, "the server closed the stream: {seen}");
+            seen.push_str(&String::from_utf8_lossy(&buffer[..n]));
+        }
+        if wait_for.is_empty() {
+            // Time for the server to read the request and start sampling it.
+            std::thread::sleep(std::time::Duration::from_millis(200));
+        }
+        drop(client);
+    };
+    // Every sample of the request either finished (an early end of sequence) or was
+    // cancelled, and some were cancelled; returns (cancelled, finished) so far.
+    let wait_done = |total: u64, before: (u64, u64)| {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        loop {
+            let stats = sampling_stats(addr);
+            let counts = (
+                stats["cancelled_samples"].as_u64().unwrap(),
+                stats["samples"].as_u64().unwrap(),
+            );
+            if counts.0 + counts.1 == total {
+                assert!(counts.0 > before.0, "nothing cancelled: {stats}");
+                return counts;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "samples neither finished nor cancelled: {stats}"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+    };
+    // Streaming: chunks of every choice, then gone.
+    hang_up(true, "\"index\":3");
+    let counts = wait_done(4, (0, 0));
+    // Not streaming: gone while it samples.
+    hang_up(false, "");
+    let counts = wait_done(8, counts);
+    // The engine serves the next request in full.
+    let text = ok(&post_v1(
+        addr,
+        "completions",
+        &json!({"model": BASE_MODEL, "prompt": "User: Name a colour.", "max_tokens": 6, "seed": 3}),
+    ));
+    assert!(!text["choices"][0]["token_ids"]
+        .as_array()
+        .unwrap()
+        .is_empty());
+    assert_eq!(sampling_stats(addr)["samples"], counts.1 + 1);
+}

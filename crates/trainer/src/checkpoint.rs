@@ -1,6 +1,8 @@
 //! Checkpoints: `<run_dir>/checkpoints/global_step_N/` holding `engine/` (weights, optimizer
 //! moments, reference model, from [`Engine::save_state`]) and `trainer_state.json` (step,
-//! data cursor, KL coefficient, metrics so far), plus a `latest` pointer file.
+//! data cursor, KL coefficient, metrics so far), plus a `latest` pointer file. A one-step-off
+//! run's checkpoint also holds `pending_batch.json`: the batch sampled for the next step,
+//! scored, with the policy version that sampled it, so a resume trains exactly it.
 //!
 //! A checkpoint is written into a `.partial` folder and renamed into place, then `latest` is
 //! replaced atomically, so a run killed at any moment leaves either the old or the new
@@ -10,6 +12,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use floe_env::dataset::DataCursor;
+use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 use crate::config::Resume;
@@ -24,6 +27,10 @@ pub const LATEST_FILE: &str = "latest";
 pub const TRAINER_STATE_FILE: &str = "trainer_state.json";
 /// The engine's state inside a checkpoint folder.
 pub const ENGINE_DIR: &str = "engine";
+/// The batch sampled ahead inside a one-step-off run's checkpoint folder. Its absence
+/// (a sync run, the last step, or a checkpoint of floe before it saved the batch) leaves
+/// the trainer state's cursor before that batch, so a resume samples it again.
+pub const PENDING_BATCH_FILE: &str = "pending_batch.json";
 /// Prefix of checkpoint folder names (`global_step_12`).
 const STEP_PREFIX: &str = "global_step_";
 
@@ -60,12 +67,14 @@ fn io_error(path: &Path) -> impl FnOnce(std::io::Error) -> Error {
     move |source| Error::Io { path, source }
 }
 
-/// Writes the checkpoint of `state.global_step`, points `latest` at it and removes the
-/// oldest checkpoints beyond `keep` (`-1` keeps all). Returns the checkpoint folder.
-pub fn save_checkpoint<E: Engine>(
+/// Writes the checkpoint of `state.global_step` (with `pending`, the batch sampled for the
+/// next step, when there is one), points `latest` at it and removes the oldest checkpoints
+/// beyond `keep` (`-1` keeps all). Returns the checkpoint folder.
+pub fn save_checkpoint<E: Engine, P: Serialize>(
     engine: &mut E,
     run_dir: &Path,
     state: &TrainerState,
+    pending: Option<&P>,
     keep: i64,
 ) -> Result<PathBuf> {
     let dir = checkpoint_dir(run_dir, state.global_step);
@@ -81,6 +90,11 @@ pub fn save_checkpoint<E: Engine>(
     let state_path = partial.join(TRAINER_STATE_FILE);
     let text = serde_json::to_string_pretty(state).expect("trainer state serialises to JSON");
     std::fs::write(&state_path, text).map_err(io_error(&state_path))?;
+    if let Some(pending) = pending {
+        let path = partial.join(PENDING_BATCH_FILE);
+        let text = serde_json::to_vec(pending).expect("a sampled batch serialises to JSON");
+        std::fs::write(&path, text).map_err(io_error(&path))?;
+    }
     if dir.exists() {
         std::fs::remove_dir_all(&dir).map_err(io_error(&dir))?;
     }
@@ -168,4 +182,43 @@ pub fn load_trainer_state(checkpoint: &Path) -> Result<TrainerState> {
         path,
         message: format!("unreadable trainer state: {err}"),
     })
+}
+
+/// Reads a checkpoint's batch sampled ahead ([`PENDING_BATCH_FILE`]), if it has one.
+pub fn load_pending_batch<P: DeserializeOwned>(checkpoint: &Path) -> Result<Option<P>> {
+    let path = checkpoint.join(PENDING_BATCH_FILE);
+    let text = match std::fs::read(&path) {
+        Ok(text) => text,
+        Err(source) if source.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(source) => return Err(Error::Io { path, source }),
+    };
+    serde_json::from_slice(&text)
+        .map(Some)
+        .map_err(|err| Error::Checkpoint {
+            path,
+            message: format!("unreadable batch sampled ahead: {err}"),
+        })
+}
+
+/// Serde for a `Vec<f64>` whose values may be non-finite, each as
+/// [`floe_engine::native_api::float`] writes it (exact, `"NaN"` and the infinities as text).
+pub(crate) mod float_vec {
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+    #[derive(Serialize, Deserialize)]
+    #[serde(transparent)]
+    struct Exact(#[serde(with = "floe_engine::native_api::float")] f64);
+
+    /// Writes `values`.
+    pub fn serialize<S: Serializer>(values: &[f64], serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.collect_seq(values.iter().map(|&v| Exact(v)))
+    }
+
+    /// Reads a list of numbers or texts.
+    pub fn deserialize<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Vec<f64>, D::Error> {
+        Ok(Vec::<Exact>::deserialize(deserializer)?
+            .into_iter()
+            .map(|Exact(v)| v)
+            .collect())
+    }
 }

@@ -571,6 +571,11 @@ pub struct EngineConfig {
     /// local one (`device` and `threads` are then the server's); the API key comes from
     /// the `FLOE_API_KEY` environment variable.
     pub remote: Option<String>,
+    /// With `remote`: how many times a run whose server lost its engine (it restarted,
+    /// during a training verb or after one, before the next checkpoint) rewinds to its last
+    /// checkpoint, as `trainer.resume=latest` would, and goes on. 0 stops the run with the
+    /// error instead.
+    pub max_remote_recoveries: u32,
     /// Keep the f32 master weights and AdamW moments in host memory (ZeRO-Offload's
     /// `offload_optimizer`): the device holds the weights in compute precision and the
     /// gradients, about 6 bytes a parameter instead of 18, at the cost of moving each
@@ -596,6 +601,7 @@ impl Default for EngineConfig {
             threads: 0,
             memory_fraction: 0.8,
             remote: None,
+            max_remote_recoveries: 3,
             offload_optimizer: false,
             speculative_ngram: None,
             exact_logprobs: false,

@@ -3,6 +3,8 @@
 
 use std::path::PathBuf;
 
+use floe_engine::remote::RemoteError;
+
 /// Why a run failed.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -81,6 +83,21 @@ impl Error {
             verb,
             source: Box::new(err),
         }
+    }
+}
+
+impl Error {
+    /// Whether a remote engine's server lost the engine: it no longer holds it
+    /// ([`RemoteError::EngineLost`]) or it went away while a verb ran (the request cut
+    /// off). Rewinding to the last checkpoint loads the engine's state anew and recovers.
+    pub fn lost_remote_engine(&self) -> bool {
+        let Error::EngineVerb { source, .. } = self else {
+            return false;
+        };
+        matches!(
+            source.downcast_ref::<RemoteError>(),
+            Some(RemoteError::EngineLost { .. } | RemoteError::Transport { .. })
+        )
     }
 }
 

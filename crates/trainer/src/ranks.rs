@@ -189,75 +189,13 @@ fn train_shape(group: &TrainGroup) -> GroupShape {
     }
 }
 
-/// `#[serde(with = "crate::ranks::bits")]`: floats as the bits of their `f64`s, so they
-/// cross the exchange exactly (JSON has no NaN or infinity, and exactness would rest on
-/// its float formatting).
-pub mod bits {
-    use std::collections::BTreeMap;
-
-    use serde::de::DeserializeOwned;
-    use serde::{Deserialize, Deserializer, Serialize, Serializer};
-
-    /// A value whose floats travel as bits.
-    pub trait AsBits: Sized {
-        /// The value with `u64` bits for floats.
-        type Wire: Serialize + DeserializeOwned;
-        /// To the wire form.
-        fn to_wire(&self) -> Self::Wire;
-        /// From the wire form.
-        fn from_wire(wire: Self::Wire) -> Self;
-    }
-
-    impl AsBits for f64 {
-        type Wire = u64;
-        fn to_wire(&self) -> u64 {
-            self.to_bits()
-        }
-        fn from_wire(wire: u64) -> Self {
-            f64::from_bits(wire)
-        }
-    }
-
-    impl AsBits for Vec<f64> {
-        type Wire = Vec<u64>;
-        fn to_wire(&self) -> Vec<u64> {
-            self.iter().map(|v| v.to_bits()).collect()
-        }
-        fn from_wire(wire: Vec<u64>) -> Self {
-            wire.into_iter().map(f64::from_bits).collect()
-        }
-    }
-
-    impl AsBits for BTreeMap<String, f64> {
-        type Wire = BTreeMap<String, u64>;
-        fn to_wire(&self) -> Self::Wire {
-            self.iter().map(|(k, v)| (k.clone(), v.to_bits())).collect()
-        }
-        fn from_wire(wire: Self::Wire) -> Self {
-            wire.into_iter()
-                .map(|(k, v)| (k, f64::from_bits(v)))
-                .collect()
-        }
-    }
-
-    /// Serializes `value`'s floats as bits.
-    pub fn serialize<T: AsBits, S: Serializer>(value: &T, s: S) -> Result<S::Ok, S::Error> {
-        value.to_wire().serialize(s)
-    }
-
-    /// Deserializes floats sent as bits.
-    pub fn deserialize<'de, T: AsBits, D: Deserializer<'de>>(d: D) -> Result<T, D::Error> {
-        T::Wire::deserialize(d).map(T::from_wire)
-    }
-}
-
-/// The log-probs of a piece of a group, as the exchange carries them (bits).
+/// The log-probs of a piece of a group, as the exchange carries them (exact).
 #[derive(Serialize, Deserialize)]
 struct PieceLogprobs {
     group: usize,
     first_response: usize,
     /// Per response of the piece, per token.
-    #[serde(with = "bits")]
+    #[serde(with = "crate::checkpoint::float_vec")]
     logprobs: Vec<f64>,
     /// Tokens of each response of the piece, to cut `logprobs`.
     lens: Vec<usize>,

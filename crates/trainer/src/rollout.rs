@@ -12,18 +12,19 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use floe_backend::sampling::{mix64, GAMMA};
+use floe_engine::native_api::{float, float_map};
 use floe_engine::{Generation, SampleRequest, SamplingParams as EngineSamplingParams, StopReason};
 use floe_env::env::{Env, EnvError, Message, Registry, StepOutput};
 use floe_env::scoring::Scorer;
 use floe_model::chat_template::ChatTemplate;
 use floe_model::tokenizer::Tokenizer;
+use serde::{Deserialize, Serialize};
 
 use crate::config::RecipeSamplingParams;
 use crate::data::{render_messages, Prompt};
 use crate::error::{Error, Result};
-use crate::ranks::{bits, Ranks};
+use crate::ranks::Ranks;
 use floe_engine::SamplingSide;
-use serde::{Deserialize, Serialize};
 
 /// The conversation the fixed-base trick renders observations after (SkyRL's).
 const BASE_CONVERSATION: [(&str, &str); 2] = [
@@ -82,7 +83,8 @@ pub struct Rollouts {
 }
 
 /// One scored trajectory: a prompt and the model's turns (with observations between them).
-/// Its floats serialize as bits, for the exact exchange among ranks.
+/// Serde with exact floats (non-finite ones included): the batch a one-step-off checkpoint
+/// holds, and the exchange among ranks.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Trajectory {
     /// Index of its prompt in the rollout's prompt list.
@@ -94,21 +96,21 @@ pub struct Trajectory {
     /// Response token ids: generated tokens and, multi-turn, observation tokens.
     pub response: Vec<u32>,
     /// 1 on generated tokens, 0 on observation tokens.
-    #[serde(with = "bits")]
+    #[serde(with = "crate::checkpoint::float_vec")]
     pub loss_mask: Vec<f64>,
     /// Each turn's reward on the last token of that turn.
-    #[serde(with = "bits")]
+    #[serde(with = "crate::checkpoint::float_vec")]
     pub token_rewards: Vec<f64>,
     /// The sampler's log-probs (0 on observation tokens); empty if not requested.
-    #[serde(with = "bits")]
+    #[serde(with = "crate::checkpoint::float_vec")]
     pub rollout_logprobs: Vec<f64>,
     /// Total reward (sum over turns).
-    #[serde(with = "bits")]
+    #[serde(with = "float")]
     pub reward: f64,
     /// The decoded response, turns and observations in order.
     pub text: String,
     /// Environment metrics, averaged over the turns.
-    #[serde(with = "bits")]
+    #[serde(with = "float_map")]
     pub env_metrics: BTreeMap<String, f64>,
     /// The environment that scored it.
     pub env_class: String,
@@ -123,7 +125,7 @@ pub struct Trajectory {
 }
 
 /// Seconds spent generating and then waiting on scoring that had not overlapped.
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize)]
 pub struct RolloutTiming {
     /// Wall time inside [`Engine::sample`].
     pub generate: f64,
@@ -226,30 +228,34 @@ impl Rollouts {
             let tokenizer = Arc::clone(&self.tokenizer);
             let scorer = &mut self.scorer;
             let live_ref = &mut live;
-            engine
-                .sample(requests, &mut |generation: Generation| {
-                    if failed.is_some() {
+            let sampled = engine.sample(requests, &mut |generation: Generation| {
+                if failed.is_some() {
+                    return;
+                }
+                let id = generation.request_id;
+                let l = &mut live_ref[id as usize];
+                let text = match append_generation(l, &generation, &tokenizer) {
+                    Ok(text) => text,
+                    Err(err) => {
+                        failed = Some(err);
                         return;
                     }
-                    let id = generation.request_id;
-                    let l = &mut live_ref[id as usize];
-                    let text = match append_generation(l, &generation, &tokenizer) {
-                        Ok(text) => text,
-                        Err(err) => {
-                            failed = Some(err);
-                            return;
-                        }
-                    };
-                    let mut env = l.env.take().expect("a live trajectory holds its env");
-                    scorer.submit(id, move || {
-                        let out = env.step(&text);
-                        (env, out)
-                    });
-                })
-                .map_err(|err| Error::EngineVerb {
+                };
+                let mut env = l.env.take().expect("a live trajectory holds its env");
+                scorer.submit(id, move || {
+                    let out = env.step(&text);
+                    (env, out)
+                });
+            });
+            if let Err(err) = sampled {
+                // The scoring of the samples delivered before the failure must not reach
+                // the next rollout (a run that recovers from a lost remote engine goes on).
+                self.scorer.drain();
+                return Err(Error::EngineVerb {
                     verb: "sample",
                     source: Box::new(err),
-                })?;
+                });
+            }
             timing.generate += start.elapsed().as_secs_f64();
             let start = Instant::now();
             let scored = self.scorer.drain();

@@ -25,10 +25,10 @@ use floe_rl::metrics::names;
 use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::checkpoint::{
-    load_trainer_state, resume_checkpoint, save_checkpoint, TrainerState, CHECKPOINTS_DIR,
-    ENGINE_DIR,
+    latest_checkpoint, load_pending_batch, load_trainer_state, resume_checkpoint, save_checkpoint,
+    TrainerState, CHECKPOINTS_DIR, ENGINE_DIR, PENDING_BATCH_FILE,
 };
-use crate::config::{Config, Logger, TrainerConfig};
+use crate::config::{Config, Logger, PipelineMode, TrainerConfig};
 use crate::data::{load_split, prepare_prompts, Prompt, Split};
 use crate::error::{Error, Result};
 use crate::eval::{evaluate, write_records, EvalSpec, EVALS_DIR};
@@ -289,15 +289,20 @@ pub fn run_loop<E: Engine>(
         run.state.global_step,
     );
     let mut final_eval = BTreeMap::new();
-    for step in (run.state.global_step + 1)..=total_steps {
-        let metrics = run.rl_step(step)?;
-        // Logged before the step's checkpoint, so a resume keeps exactly them.
-        run.log(step, &metrics)?;
-        progress.show_step(step, &metrics);
-        if run.eval_due(step) {
-            final_eval = progress.suspend(|| run.eval(step))?;
+    let mut recoveries = 0;
+    let mut step = run.state.global_step + 1;
+    while step <= total_steps {
+        match run.step_with_eval_and_checkpoint(step, &progress) {
+            Ok(Some(eval)) => final_eval = eval,
+            Ok(None) => {}
+            Err(error) => {
+                run.recover(error, &mut recoveries)?;
+                step = run.state.global_step + 1;
+                progress.bar.set_position(run.state.global_step);
+                continue;
+            }
         }
-        run.checkpoint_on_interval(step)?;
+        step += 1;
     }
     progress.finish();
     run.finish(final_eval, inputs.resume_from, inputs.started)
@@ -491,7 +496,7 @@ impl<'a, E: Engine> Run<'a, E> {
         let t = &config.trainer;
         let writes = ranks.writes();
         let console = t.logger.contains(&Logger::Console) && writes;
-        let state = match resume_from {
+        let mut state = match resume_from {
             Some(checkpoint) => restore(engine, checkpoint, &t.run_dir, console, writes)?,
             None => fresh_state(config, prompts.rl.len(), writes)?,
         };
@@ -506,6 +511,10 @@ impl<'a, E: Engine> Run<'a, E> {
                 ),
             });
         }
+        let pending = match resume_from {
+            Some(checkpoint) => restore_pending(config, checkpoint, &mut state, total_steps)?,
+            None => None,
+        };
         let sink = match writes {
             true => Some(MetricsSink::create_with(
                 &t.run_dir,
@@ -535,7 +544,7 @@ impl<'a, E: Engine> Run<'a, E> {
                 Some(_) => None,
                 None => Some(checkpoint_bytes(config)?),
             },
-            pending: None,
+            pending,
         })
     }
 
@@ -589,6 +598,73 @@ impl<'a, E: Engine> Run<'a, E> {
             .map_err(Error::verb("reset_optimizer"))
     }
 
+    /// RL step `step`, logged and shown, then its eval and checkpoint when due; the eval's
+    /// metrics when it evaluated.
+    fn step_with_eval_and_checkpoint(
+        &mut self,
+        step: u64,
+        progress: &Progress,
+    ) -> Result<Option<BTreeMap<String, f64>>> {
+        let metrics = self.rl_step(step)?;
+        // Logged before the step's checkpoint, so a resume keeps exactly them.
+        self.log(step, &metrics)?;
+        progress.show_step(step, &metrics);
+        let eval = match self.eval_due(step) {
+            true => Some(progress.suspend(|| self.eval(step))?),
+            false => None,
+        };
+        self.checkpoint_on_interval(step)?;
+        Ok(eval)
+    }
+
+    /// After `error`: when the remote server lost the engine (it restarted), the run
+    /// rewinds to its latest checkpoint as `trainer.resume=latest` would (engine state,
+    /// trainer state, the batch sampled ahead, metrics and samples files) and goes on from
+    /// there, at most `engine.max_remote_recoveries` times; any other error, or one without
+    /// a checkpoint to go back to, is returned.
+    fn recover(&mut self, mut error: Error, recoveries: &mut u32) -> Result<()> {
+        let max = self.config.engine.max_remote_recoveries;
+        let run_dir = &self.config.trainer.run_dir;
+        loop {
+            if !error.lost_remote_engine() || *recoveries >= max {
+                return Err(error);
+            }
+            let Some(checkpoint) = latest_checkpoint(run_dir)? else {
+                return Err(error);
+            };
+            *recoveries += 1;
+            tracing::warn!(
+                "{error}\nrewinding to {} and going on (recovery {recoveries} of \
+                 engine.max_remote_recoveries = {max})",
+                checkpoint.display()
+            );
+            // The server may go away again while the state loads.
+            match self.rewind(&checkpoint) {
+                Err(again) => error = again,
+                done => return done,
+            }
+        }
+    }
+
+    /// Sets the engine and the run as a resume from `checkpoint` would.
+    fn rewind(&mut self, checkpoint: &Path) -> Result<()> {
+        let t = &self.config.trainer;
+        let run_dir = &t.run_dir;
+        let writes = self.ranks.writes();
+        let mut state = restore(self.engine, checkpoint, run_dir, self.console, writes)?;
+        self.pending = restore_pending(self.config, checkpoint, &mut state, self.total_steps)?;
+        if writes {
+            self.sink = Some(MetricsSink::create_with(
+                run_dir,
+                Some(state.global_step),
+                &t.logger,
+            )?);
+        }
+        self.step_settings.restore_kl(&t.algorithm, state.kl_coef);
+        self.state = state;
+        Ok(())
+    }
+
     /// Logs `metrics` for `step` and remembers their latest values in the trainer state.
     fn log(&mut self, step: u64, metrics: &BTreeMap<String, f64>) -> Result<()> {
         log_metrics(self.sink.as_mut(), &mut self.state, step, metrics)
@@ -628,8 +704,8 @@ impl<'a, E: Engine> Run<'a, E> {
             if let Some(bytes) = self.checkpoint_bytes {
                 check_checkpoint_space(self.config, bytes)?;
             }
-            // A batch sampled for the next step is not saved: the checkpoint's cursor
-            // stands before it, so a resume samples those prompts again, with these weights.
+            // A batch sampled for the next step is saved beside the state, whose cursor
+            // stands before it (what a resume without the batch samples again).
             let state = match &self.pending {
                 Some(next) => TrainerState {
                     data_cursor: next.cursor_before.clone(),
@@ -637,7 +713,13 @@ impl<'a, E: Engine> Run<'a, E> {
                 },
                 None => self.state.clone(),
             };
-            save_checkpoint(self.engine, &t.run_dir, &state, t.max_ckpts_to_keep)?;
+            save_checkpoint(
+                self.engine,
+                &t.run_dir,
+                &state,
+                self.pending.as_ref(),
+                t.max_ckpts_to_keep,
+            )?;
         }
         Ok(())
     }
@@ -701,6 +783,66 @@ fn restore<E: Engine>(
         );
     }
     Ok(state)
+}
+
+/// The batch a one-step-off checkpoint sampled ahead, with `state`'s cursor moved past
+/// it, so the resumed run trains exactly what the uninterrupted one does. A sync run
+/// drops it (and samples those prompts again from the saved cursor); a one-step-off run
+/// resumed from a checkpoint without one samples them again too, with the checkpoint's
+/// weights, and is told it no longer replays the uninterrupted run.
+fn restore_pending(
+    config: &Config,
+    checkpoint: &Path,
+    state: &mut TrainerState,
+    total_steps: u64,
+) -> Result<Option<SampledBatch>> {
+    let one_step_off = config.trainer.pipeline.mode == PipelineMode::OneStepOff;
+    let path = checkpoint.join(PENDING_BATCH_FILE);
+    match load_pending_batch::<SampledBatch>(checkpoint)? {
+        Some(batch) if one_step_off => {
+            if batch.cursor_before != state.data_cursor
+                || batch.policy_version > state.optimizer_steps
+            {
+                return Err(Error::Checkpoint {
+                    path,
+                    message: format!(
+                        "its batch was drawn at data cursor {:?} by policy version {}, but the \
+                         checkpoint's trainer state stands at {:?} after {} optimizer steps; \
+                         the file belongs to another checkpoint",
+                        batch.cursor_before,
+                        batch.policy_version,
+                        state.data_cursor,
+                        state.optimizer_steps
+                    ),
+                });
+            }
+            state.data_cursor = batch.cursor_after.clone();
+            Ok(Some(batch))
+        }
+        Some(_) => {
+            tracing::warn!(
+                "{}: trainer.pipeline.mode = sync drops the batch a one-step-off run sampled \
+                 ahead; step {} samples those prompts again with the checkpoint's weights",
+                path.display(),
+                state.global_step + 1
+            );
+            Ok(None)
+        }
+        None => {
+            if one_step_off && state.global_step < total_steps {
+                tracing::warn!(
+                    "{} has no {PENDING_BATCH_FILE} (a sync run's checkpoint, the last step \
+                     of a shorter run, or one written before floe saved the batch sampled \
+                     ahead): step {} samples its prompts again from the saved data cursor \
+                     with the checkpoint's weights, so the run from here is not bit-identical \
+                     to an uninterrupted one",
+                    checkpoint.display(),
+                    state.global_step + 1
+                );
+            }
+            Ok(None)
+        }
+    }
 }
 
 /// The trainer state before step 1 of a fresh run over `num_rl_prompts` prompts; the

@@ -1,6 +1,7 @@
 //! `trainer.pipeline` on tiny embedded runs with scripted rewards: one-step-off trains
 //! step 1 exactly as sync does and later steps one step stale, drops samples beyond
-//! `max_staleness` and counts them, replays bit for bit, and leaves sync runs as they were.
+//! `max_staleness` and counts them, replays bit for bit (resumed from a checkpoint too),
+//! and leaves sync runs as they were.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -8,7 +9,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use floe_env::env::{Env, EnvError, Registry, StepOutput};
-use floe_trainer::checkpoint::{load_trainer_state, TrainerState, CHECKPOINTS_DIR};
+use floe_trainer::checkpoint::{
+    load_trainer_state, TrainerState, CHECKPOINTS_DIR, PENDING_BATCH_FILE,
+};
 use floe_trainer::outputs::metrics::read_metrics;
 use floe_trainer::run::train_with_registry;
 use floe_trainer::Config;
@@ -243,31 +246,128 @@ fn sync_named_or_by_default_logs_the_same_metrics() {
     }
 }
 
+/// Keeps every checkpoint, so a test can resume from an early one.
+const KEEP_ALL: &str = "trainer.max_ckpts_to_keep=-1";
+
+/// Copies the run folder `from` to `to` (what a run killed after a checkpoint leaves).
+fn copy_run(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap().flatten() {
+        let target = to.join(entry.file_name());
+        if entry.file_type().unwrap().is_dir() {
+            copy_run(&entry.path(), &target);
+        } else {
+            std::fs::copy(entry.path(), target).unwrap();
+        }
+    }
+}
+
+/// Resumes the copy `to` of the 3-step run `from` at its step-1 checkpoint, after `edit`
+/// changed that checkpoint; the metrics of every step, or the error.
+fn resume_copy_at_step_1(
+    from: &Path,
+    to: &Path,
+    edit: impl FnOnce(&Path),
+) -> Result<Vec<BTreeMap<String, f64>>, String> {
+    copy_run(from, to);
+    let checkpoint = to.join(CHECKPOINTS_DIR).join("global_step_1");
+    edit(&checkpoint);
+    let resume = format!("trainer.resume={}", checkpoint.display());
+    let extra = [
+        KEEP_ALL,
+        "trainer.pipeline.mode=one_step_off",
+        resume.as_str(),
+    ];
+    let config = Config::load(None, &overrides(to, 3, &extra)).unwrap();
+    train_with_registry(&config, alternating_registry()).map_err(|e| e.to_string())?;
+    Ok(step_metrics(to))
+}
+
 #[test]
-fn a_resumed_one_step_off_run_samples_the_pending_prompts_again() {
+fn a_resumed_one_step_off_run_trains_the_saved_batch_and_replays_bit_for_bit() {
     let dir = tempfile::tempdir().unwrap();
-    let whole = dir.path().join("whole");
-    run(&whole, 2, &["trainer.pipeline.mode=one_step_off"]);
-    // Stopped after step 1 (its checkpoint's cursor stands before step 2's batch), then
-    // resumed to step 2.
-    let parts = dir.path().join("parts");
-    run(&parts, 1, &["trainer.pipeline.mode=one_step_off"]);
+    let whole_dir = dir.path().join("whole");
+    let whole = run(
+        &whole_dir,
+        3,
+        &[KEEP_ALL, "trainer.pipeline.mode=one_step_off"],
+    );
+    let checkpoint = whole_dir.join(CHECKPOINTS_DIR).join("global_step_1");
+    assert!(
+        checkpoint.join(PENDING_BATCH_FILE).is_file(),
+        "a one-step-off checkpoint holds the batch sampled ahead"
+    );
+    assert!(
+        !whole_dir
+            .join(CHECKPOINTS_DIR)
+            .join("global_step_3")
+            .join(PENDING_BATCH_FILE)
+            .exists(),
+        "the last step samples nothing ahead"
+    );
+
+    let resumed = resume_copy_at_step_1(&whole_dir, &dir.path().join("resumed"), |_| {}).unwrap();
+    assert_eq!(resumed.len(), 3);
+    for step in 1..3 {
+        let diff = differences(
+            &without_timings(&whole[step]),
+            &without_timings(&resumed[step]),
+        );
+        assert!(diff.is_empty(), "step {} differs: {diff:?}", step + 1);
+    }
     assert_eq!(
-        state(&parts, 1).data_cursor,
-        state(&whole, 1).data_cursor,
-        "a checkpoint saves the cursor before the batch sampled for the next step"
+        state(&dir.path().join("resumed"), 3),
+        TrainerState {
+            metrics: state(&dir.path().join("resumed"), 3).metrics,
+            ..state(&whole_dir, 3)
+        }
     );
-    let resumed = run(
-        &parts,
-        2,
-        &[
-            "trainer.pipeline.mode=one_step_off",
-            "trainer.resume=latest",
-        ],
+}
+
+#[test]
+fn a_checkpoint_without_the_batch_sampled_ahead_still_resumes_by_sampling_it_again() {
+    let dir = tempfile::tempdir().unwrap();
+    let whole_dir = dir.path().join("whole");
+    let whole = run(
+        &whole_dir,
+        3,
+        &[KEEP_ALL, "trainer.pipeline.mode=one_step_off"],
     );
-    assert_eq!(state(&parts, 2).data_cursor, state(&whole, 2).data_cursor);
-    // The resumed step samples its batch with the weights it trains: not stale.
+    // A checkpoint as floe wrote it before it saved the batch: its cursor stands before
+    // the batch, so the resume samples the same prompts with the checkpoint's weights.
+    let old = dir.path().join("old");
+    let resumed = resume_copy_at_step_1(&whole_dir, &old, |checkpoint| {
+        std::fs::remove_file(checkpoint.join(PENDING_BATCH_FILE)).unwrap();
+    })
+    .unwrap();
+    assert_eq!(state(&old, 3).data_cursor, state(&whole_dir, 3).data_cursor);
+    // Step 2 trains a batch sampled by the weights it trains (staleness 0 and 1), not the
+    // one step 1's weights sampled.
     assert_eq!(resumed[1]["async/staleness_max"], 1.0);
+    assert_eq!(whole[1]["async/staleness_max"], 3.0);
+
+    // A batch that is not this checkpoint's is refused, naming the file.
+    let err = resume_copy_at_step_1(&whole_dir, &dir.path().join("mixed"), |checkpoint| {
+        let step_2 = checkpoint.with_file_name("global_step_2");
+        std::fs::copy(
+            step_2.join(PENDING_BATCH_FILE),
+            checkpoint.join(PENDING_BATCH_FILE),
+        )
+        .unwrap();
+    })
+    .unwrap_err();
+    assert!(
+        err.contains(PENDING_BATCH_FILE) && err.contains("another checkpoint"),
+        "{err}"
+    );
+    let err = resume_copy_at_step_1(&whole_dir, &dir.path().join("torn"), |checkpoint| {
+        std::fs::write(checkpoint.join(PENDING_BATCH_FILE), "{\"trajs\": [").unwrap();
+    })
+    .unwrap_err();
+    assert!(
+        err.contains(PENDING_BATCH_FILE) && err.contains("unreadable batch sampled ahead"),
+        "{err}"
+    );
 }
 
 #[test]

@@ -127,10 +127,11 @@ impl Drop for Server {
     }
 }
 
-/// One line of a run's `metrics.jsonl`: its step and metrics, `timing/*` left out.
+/// One line of a run's `metrics.jsonl`: its step and metrics, wall times left out.
 pub type MetricsLine = (u64, BTreeMap<String, Option<f64>>);
 
-/// The lines of `run_dir/metrics.jsonl` without their `timing/*` metrics.
+/// The lines of `run_dir/metrics.jsonl` without their wall times (`timing/*` and the
+/// pipeline's `async/*_s`), which no two runs share.
 pub fn metrics_without_timing(run_dir: &Path) -> Vec<MetricsLine> {
     let text = std::fs::read_to_string(run_dir.join("metrics.jsonl")).unwrap();
     text.lines()
@@ -140,7 +141,10 @@ pub fn metrics_without_timing(run_dir: &Path) -> Vec<MetricsLine> {
                 .as_object()
                 .unwrap()
                 .iter()
-                .filter(|(name, _)| !name.starts_with("timing/"))
+                .filter(|(name, _)| {
+                    !(name.starts_with("timing/")
+                        || name.starts_with("async/") && name.ends_with("_s"))
+                })
                 .map(|(name, value)| (name.clone(), value.as_f64()))
                 .collect();
             (record["step"].as_u64().unwrap(), metrics)

@@ -5,6 +5,7 @@
 use std::collections::BTreeMap;
 use std::time::Instant;
 
+use floe_engine::native_api::float_map;
 use floe_engine::policy::OptimParams;
 use floe_engine::{
     Engine, ForwardBackwardOutput, Loss, SamplingParams, SamplingSide, SequenceGroup, TrainGroup,
@@ -20,6 +21,7 @@ use floe_rl::kl::{apply_kl_in_reward, KlController};
 use floe_rl::metrics::{names, response_length_metrics, reward_metrics};
 use floe_rl::optim::{lr_at, num_optimizer_steps, LrScheduleKind};
 use floe_rl::{compute_advantages, AdvantageInputs, AlgorithmConfig};
+use serde::{Deserialize, Serialize};
 
 use super::pipeline::{overlap_metrics, too_stale, Span, Staleness};
 use super::{Run, RunPrompts};
@@ -68,9 +70,7 @@ impl StepSettings {
     ) -> Self {
         let t = &config.trainer;
         let sampling = &config.generator.sampling_params;
-        let mut kl = KlController::new(&t.algorithm);
-        kl.coef = kl_coef;
-        Self {
+        let mut settings = Self {
             sampling: engine_sampling_params(sampling, tokenizer),
             temperature: match sampling.temperature {
                 t if t > 0.0 => t as f32,
@@ -88,8 +88,16 @@ impl StepSettings {
                 t.policy_mini_batch_size as u64,
                 t.update_epochs_per_batch as u64,
             ),
-            kl,
-        }
+            kl: KlController::new(&t.algorithm),
+        };
+        settings.restore_kl(&t.algorithm, kl_coef);
+        settings
+    }
+
+    /// The KL controller of `algorithm` at the coefficient `kl_coef` a trainer state saved.
+    pub(super) fn restore_kl(&mut self, algorithm: &AlgorithmConfig, kl_coef: f64) {
+        self.kl = KlController::new(algorithm);
+        self.kl.coef = kl_coef;
     }
 }
 
@@ -119,10 +127,10 @@ impl<E: Engine> Run<'_, E> {
     /// count and the KL coefficient of the trainer state, and sets its step.
     ///
     /// Sync: samples the cursor's next batch, then trains on it. One-step-off: trains on
-    /// the batch sampled during the last step (the first step, and the first after a
-    /// resume, sample their own first), while the next step's batch is sampled beside the
-    /// forwards and the first backward ([`Engine::overlap`]); the first optimizer step
-    /// waits for that sampling to finish.
+    /// the batch sampled during the last step (the first step samples its own first; the
+    /// first after a resume trains the one its checkpoint saved), while the next step's
+    /// batch is sampled beside the forwards and the first backward ([`Engine::overlap`]);
+    /// the first optimizer step waits for that sampling to finish.
     pub(super) fn rl_step(&mut self, step: u64) -> Result<BTreeMap<String, f64>> {
         let step_start = Instant::now();
         let pipeline = &self.config.trainer.pipeline;
@@ -530,12 +538,16 @@ impl BatchSampler<'_> {
             metrics,
             policy_version: self.policy_version,
             cursor_before,
+            cursor_after: self.cursor.clone(),
             epoch: self.cursor.epoch,
         })
     }
 }
 
-/// A sampled batch: what [`BatchSampler::sample`] gives the step that trains on it.
+/// A sampled batch: what [`BatchSampler::sample`] gives the step that trains on it. A
+/// one-step-off checkpoint saves the one sampled ahead (exact floats), so a resume trains
+/// it as the uninterrupted run does.
+#[derive(Serialize, Deserialize)]
 pub(super) struct SampledBatch {
     /// The trajectories to train on, ordered (prompt, sample), prompts numbered from 0.
     trajs: Vec<Trajectory>,
@@ -544,12 +556,17 @@ pub(super) struct SampledBatch {
     /// Generation and scoring time over every sampled batch.
     timing: RolloutTiming,
     /// Rollout, dynamic-sampling and overlong metrics.
+    #[serde(with = "float_map")]
     metrics: BTreeMap<String, f64>,
     /// The version (RL optimizer steps) of the weights that sampled it.
-    policy_version: u64,
-    /// The data cursor before its prompts were drawn: what a checkpoint taken while it
-    /// waits to be trained saves, so a resume draws the same prompts again.
+    pub(super) policy_version: u64,
+    /// The data cursor before its prompts were drawn: the trainer state of a checkpoint
+    /// taken while it waits to be trained saves this one, so a resume without the batch
+    /// draws the same prompts again.
     pub(super) cursor_before: DataCursor,
+    /// The data cursor after its prompts were drawn: where a resume that trains the saved
+    /// batch goes on.
+    pub(super) cursor_after: DataCursor,
     /// The data epoch after its prompts were drawn (`trainer/epoch`).
     epoch: u64,
 }
