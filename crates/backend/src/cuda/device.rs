@@ -287,13 +287,14 @@ impl CudaBackend {
         // SAFETY: a buffer is used on another backend's stream only after that stream
         // waits for this one (`Backend::wait_for`), and the reverse.
         unsafe { ctx.disable_event_tracking() };
-        Self::on_new_stream(ctx)
+        Self::on_new_stream(ctx, 0)
     }
 
-    /// A backend on a new stream of `ctx`, with its own cuBLAS handle and workspace (a
-    /// handle must not be used by two host threads at once) and its own module handles.
-    pub(crate) fn on_new_stream(ctx: Arc<CudaContext>) -> Result<Self> {
-        let stream = ctx.new_stream()?;
+    /// A backend on a new stream of `ctx` at `priority` (0 the default, lower numbers
+    /// first), with its own cuBLAS handle and workspace (a handle must not be used by two
+    /// host threads at once) and its own module handles.
+    pub(crate) fn on_new_stream(ctx: Arc<CudaContext>, priority: i32) -> Result<Self> {
+        let stream = ctx.new_stream_with_priority(priority)?;
         let blas = CudaBlas::new(stream.clone())?;
         let workspace = stream.alloc_zeros::<u8>(BLAS_WORKSPACE_BYTES)?;
         {

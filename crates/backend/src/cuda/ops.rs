@@ -230,8 +230,12 @@ impl Backend for CudaBackend {
         false
     }
 
+    /// A stream at the device's highest priority: its blocks are scheduled first, so the
+    /// sampler's latency-bound decode steps are not queued behind training GEMMs.
     fn fork(&self) -> Result<Self> {
-        Self::on_new_stream(Arc::clone(&self.ctx))
+        self.ctx.bind_to_thread()?;
+        let (_lowest, highest) = cudarc::driver::result::stream::get_priority_range()?;
+        Self::on_new_stream(Arc::clone(&self.ctx), highest)
     }
 
     fn wait_for(&self, other: &Self) -> Result<()> {
