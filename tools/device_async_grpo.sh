@@ -1,5 +1,9 @@
 #!/usr/bin/env bash
-# GRPO at the 1.7B shape on one GPU, sync against one_step_off (issue 24): step times.
+# GRPO at the 1.7B shape on one GPU, sync against one_step_off (issue 24): the step times
+# and the async/* split of each, in $OUT/async.log, $OUT/sync.jsonl, $OUT/one_step_off.jsonl.
+# Prepare `.device/` as tools/device_speed.sh says (floe.gz), plus recipes/embedded.toml and
+# this script; run `bash .device/device_async_grpo.sh` with `.device` carried. STEPS (4)
+# RL steps per mode; random weights earn no reward, so this measures time only.
 cd "$(dirname "$0")"
 [ -f floe.gz ] && gunzip -f floe.gz
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64 RUST_LOG=warn
