@@ -157,7 +157,10 @@ fn reference(request: &SampleRequest) -> Vec<Generation> {
                     offset: generated as u64,
                     top_logprobs: 0,
                 };
-                let sampled = backend.sample(&logits, VOCAB, &[row]).unwrap()[0];
+                let sampled = backend
+                    .sample(&logits, VOCAB, &[row])
+                    .unwrap()
+                    .swap_remove(0);
                 tokens.push(sampled.token);
                 logprobs.push(sampled.logprob);
                 let text = detokenize(&tokens[request.prompt.len()..]);

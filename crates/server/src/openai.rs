@@ -1259,6 +1259,7 @@ impl ChunkWriter {
 
     /// A choice's text `piece` with the tokens it came with (possibly none, or text
     /// still held for tokens sent before).
+    #[allow(clippy::too_many_arguments)]
     fn delta(
         &mut self,
         text: &Text,
