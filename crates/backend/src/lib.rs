@@ -178,10 +178,13 @@ pub struct SamplingRow {
     /// Index of this draw in the sequence's stream (usually the number of tokens sampled
     /// so far), so a draw depends only on `(seed, offset)` and never on batch composition.
     pub offset: u64,
+    /// How many of the most likely tokens to report in [`Sampled::top_logprobs`] (capped
+    /// at the vocabulary); 0, the common case, computes nothing more.
+    pub top_logprobs: usize,
 }
 
 /// One sampled token.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct Sampled {
     /// The token id.
     pub token: u32,
@@ -189,6 +192,10 @@ pub struct Sampled {
     /// greedy rows), before top-k/top-p/min-p truncation: the same quantity the trainer's
     /// [`Backend::lm_head_forward`] computes with `logit_scale = 1 / temperature`.
     pub logprob: f32,
+    /// The row's [`SamplingRow::top_logprobs`] most likely tokens and their log-probs in
+    /// that same distribution (so `token`'s entry, when it is among them, is `logprob`),
+    /// by decreasing log-prob, lower id first on ties; empty when the row asked for none.
+    pub top_logprobs: Vec<(u32, f32)>,
 }
 
 /// Hyper-parameters of one AdamW step (decoupled weight decay, bias-corrected moments).

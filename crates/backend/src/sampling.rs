@@ -22,7 +22,10 @@
 //!    rounding leaves none).
 //!
 //! The returned log-probability is `z_tok − logsumexp(z)` over the *whole* vocabulary,
-//! before truncation (see [`Sampled`]). NaN logits are never chosen.
+//! before truncation (see [`Sampled`]). NaN logits are never chosen. A row that asks
+//! for `top_logprobs` also gets the most likely tokens under that same distribution,
+//! computed with the same `z` and `logsumexp(z)`, so the sampled token's entry among them
+//! equals its log-probability bit for bit.
 
 use crate::{Sampled, SamplingRow};
 
@@ -75,18 +78,14 @@ pub fn normal(seed: u64, index: u64) -> f64 {
     (-2.0 * u.ln()).sqrt() * (2.0 * std::f64::consts::PI * v).cos()
 }
 
-/// Draws one token from `logits` (one row of `[vocab]`) with `row`'s parameters; see the
-/// module documentation for the exact procedure. `logits` must not be empty.
-pub fn sample_row(logits: &[f32], row: &SamplingRow) -> Sampled {
-    assert!(!logits.is_empty(), "sample_row: empty logits");
-    let greedy = row.temperature <= 0.0;
-    let inv_t = if greedy {
+/// `logits / T` in f64 (T = 1 for greedy rows), NaN as `-inf` so it is never chosen and
+/// adds no mass, with the lowest id among its maxima and that maximum.
+fn scaled_logits(logits: &[f32], row: &SamplingRow) -> (Vec<f64>, usize, f64) {
+    let inv_t = if row.temperature <= 0.0 {
         1.0
     } else {
         1.0 / f64::from(row.temperature)
     };
-
-    // z = logits / T; NaN becomes -inf so it is never chosen and adds no mass.
     let z: Vec<f64> = logits
         .iter()
         .map(|&x| {
@@ -97,7 +96,6 @@ pub fn sample_row(logits: &[f32], row: &SamplingRow) -> Sampled {
             }
         })
         .collect();
-    // Lowest id among the maxima.
     let (argmax, max) =
         z.iter()
             .copied()
@@ -109,17 +107,69 @@ pub fn sample_row(logits: &[f32], row: &SamplingRow) -> Sampled {
                     best
                 }
             });
+    (z, argmax, max)
+}
+
+/// `logsumexp(z)` given its maximum `max`; `+inf` when every entry is `-inf`, so that
+/// every log-prob `z − lse` is `-inf` rather than NaN.
+fn logsumexp(z: &[f64], max: f64) -> f64 {
+    if max == f64::NEG_INFINITY {
+        return f64::INFINITY;
+    }
+    max + z.iter().map(|&v| (v - max).exp()).sum::<f64>().ln()
+}
+
+/// The `k` largest entries of `z` (lower id first on ties), by decreasing value, with
+/// their log-probs `z − lse`: the same arithmetic as the sampled token's.
+fn top_of(z: &[f64], lse: f64, k: usize) -> Vec<(u32, f32)> {
+    let k = k.min(z.len());
+    if k == 0 {
+        return Vec::new();
+    }
+    let order = |a: &usize, b: &usize| z[*b].total_cmp(&z[*a]).then(a.cmp(b));
+    let mut ids: Vec<usize> = (0..z.len()).collect();
+    if k < ids.len() {
+        ids.select_nth_unstable_by(k - 1, order);
+        ids.truncate(k);
+    }
+    ids.sort_unstable_by(order);
+    ids.into_iter()
+        .map(|i| (i as u32, (z[i] - lse) as f32))
+        .collect()
+}
+
+/// The `row.top_logprobs` most likely tokens of `logits` and their log-probs, exactly as
+/// [`sample_row`] reports them in [`Sampled::top_logprobs`]; for backends that draw on
+/// the device and compute these on the host.
+pub fn top_logprobs(logits: &[f32], row: &SamplingRow) -> Vec<(u32, f32)> {
+    if row.top_logprobs == 0 {
+        return Vec::new();
+    }
+    let (z, _, max) = scaled_logits(logits, row);
+    top_of(&z, logsumexp(&z, max), row.top_logprobs)
+}
+
+/// Draws one token from `logits` (one row of `[vocab]`) with `row`'s parameters; see the
+/// module documentation for the exact procedure. `logits` must not be empty.
+pub fn sample_row(logits: &[f32], row: &SamplingRow) -> Sampled {
+    assert!(!logits.is_empty(), "sample_row: empty logits");
+    let greedy = row.temperature <= 0.0;
+    let (z, argmax, max) = scaled_logits(logits, row);
+    let lse = logsumexp(&z, max);
+    let top_logprobs = top_of(&z, lse, row.top_logprobs);
     if max == f64::NEG_INFINITY {
         // Every logit is -inf or NaN: nothing carries mass, the draw is token 0.
         return Sampled {
             token: 0,
             logprob: f32::NEG_INFINITY,
+            top_logprobs,
         };
     }
-    let lse = max + z.iter().map(|&v| (v - max).exp()).sum::<f64>().ln();
-    let logprob = |tok: usize| Sampled {
+    let scaled = &z;
+    let logprob = move |tok: usize| Sampled {
         token: tok as u32,
-        logprob: (z[tok] - lse) as f32,
+        logprob: (scaled[tok] - lse) as f32,
+        top_logprobs,
     };
     if greedy || max == f64::INFINITY {
         return logprob(argmax);

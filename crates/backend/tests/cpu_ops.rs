@@ -821,6 +821,7 @@ fn sample_draws_each_row_with_the_reference_sampler() {
             min_p: 0.0,
             seed: 42 + i as u64,
             offset: 3,
+            top_logprobs: 0,
         })
         .collect();
     let got = b.sample(&up(&b, &logits), vocab, &rows).unwrap();

@@ -911,6 +911,7 @@ fn sampling_matches_reference() {
                 min_p,
                 seed: 1000 + i as u64,
                 offset: rep,
+                top_logprobs: 0,
             });
         }
     }
@@ -1328,6 +1329,7 @@ fn timing_table() {
             min_p: 0.0,
             seed: i,
             offset: 0,
+            top_logprobs: 0,
         })
         .collect();
     let s = time(&g, 10, || {

@@ -2,7 +2,7 @@
 //! empirical frequencies, log-probabilities.
 
 use floe_backend::cpu::CpuBackend;
-use floe_backend::sampling::{mix64, normal, sample_row, uniform, GAMMA};
+use floe_backend::sampling::{mix64, normal, sample_row, top_logprobs, uniform, GAMMA};
 use floe_backend::{Backend, BufKind, SamplingRow};
 use rand_xoshiro::rand_core::{RngCore, SeedableRng};
 use rand_xoshiro::SplitMix64;
@@ -22,6 +22,7 @@ fn row(
         min_p,
         seed,
         offset,
+        top_logprobs: 0,
     }
 }
 
@@ -290,4 +291,132 @@ fn nan_and_masked_logits_are_never_drawn() {
     let s = sample_row(&logits, &row(0.0, 0, 1.0, 0.0, 0, 0));
     assert_eq!(s.token, 1);
     assert!((s.logprob - 0.5f32.ln()).abs() < 1e-6);
+}
+
+/// Asserts `top` holds the `k` (capped at the vocabulary) largest of `reference` by
+/// decreasing value, lower id first on ties, with their values, and that the sampled
+/// token's entry, when there, is its log-prob bit for bit.
+fn assert_top_logprobs(
+    top: &[(u32, f32)],
+    reference: &[f64],
+    k: usize,
+    sampled: (u32, f32),
+    what: &str,
+) {
+    let mut order: Vec<usize> = (0..reference.len()).collect();
+    order.sort_by(|&a, &b| reference[b].total_cmp(&reference[a]).then(a.cmp(&b)));
+    let ids: Vec<u32> = top.iter().map(|&(id, _)| id).collect();
+    let expected: Vec<u32> = order[..k.min(reference.len())]
+        .iter()
+        .map(|&i| i as u32)
+        .collect();
+    assert_eq!(ids, expected, "{what}");
+    for &(id, lp) in top {
+        let want = reference[id as usize];
+        assert!(
+            (f64::from(lp) - want).abs() < 1e-5,
+            "{what}: {id}: {lp} vs {want}"
+        );
+        if id == sampled.0 {
+            assert_eq!(
+                lp.to_bits(),
+                sampled.1.to_bits(),
+                "{what}: the sampled token"
+            );
+        }
+    }
+}
+
+#[test]
+fn top_logprobs_are_the_k_most_likely_under_the_sampled_tokens_distribution() {
+    let mut rng = SplitMix64::seed_from_u64(21);
+    let vocab = 40;
+    let mut logits: Vec<f32> = (0..vocab)
+        .map(|_| (rng.next_u64() >> 40) as f32 / (1u64 << 22) as f32 - 2.0)
+        .collect();
+    // A tie among the most likely: the lower id comes first.
+    logits[17] = 3.0;
+    logits[5] = 3.0;
+    for (temperature, top_k, top_p, k) in [
+        (0.0, 0, 1.0, 5),
+        (0.7, 0, 1.0, 3),
+        (1.3, 8, 0.9, 20),
+        (1.0, 0, 1.0, 1),
+        (1.0, 0, 1.0, 100),
+    ] {
+        let t = if temperature > 0.0 { temperature } else { 1.0 };
+        let reference = log_softmax(&logits, f64::from(t));
+        for offset in 0..20 {
+            let plain = row(temperature, top_k, top_p, 0.0, 3, offset);
+            let asking = SamplingRow {
+                top_logprobs: k,
+                ..plain
+            };
+            let s = sample_row(&logits, &asking);
+            let what = format!("T={temperature} k={k} offset {offset}");
+            assert_top_logprobs(&s.top_logprobs, &reference, k, (s.token, s.logprob), &what);
+            // The draw and its log-prob do not depend on asking.
+            let p = sample_row(&logits, &plain);
+            assert_eq!((p.token, p.logprob), (s.token, s.logprob), "{what}");
+            assert!(p.top_logprobs.is_empty());
+            assert_eq!(top_logprobs(&logits, &asking), s.top_logprobs, "{what}");
+        }
+    }
+    // Greedy: the sampled token is the first of the top ones.
+    let s = sample_row(
+        &logits,
+        &SamplingRow {
+            top_logprobs: 2,
+            ..row(0.0, 0, 1.0, 0.0, 0, 0)
+        },
+    );
+    assert_eq!(s.top_logprobs[0], (5, s.logprob));
+    assert_eq!(s.top_logprobs[1].0, 17);
+}
+
+/// The CPU backend's rows, plain and batch invariant (where the log-probs come from the
+/// training forward's arithmetic): only the rows that ask get top log-probs, and those
+/// agree with the sampled token's.
+#[test]
+fn the_cpu_backend_reports_top_logprobs_only_for_the_rows_that_ask() {
+    let mut rng = SplitMix64::seed_from_u64(22);
+    let vocab = 64;
+    let logits: Vec<f32> = (0..3 * vocab)
+        .map(|_| (rng.next_u64() >> 40) as f32 / (1u64 << 21) as f32 - 4.0)
+        .collect();
+    let rows = [
+        SamplingRow {
+            top_logprobs: 4,
+            ..row(0.8, 0, 1.0, 0.0, 1, 0)
+        },
+        row(1.0, 0, 1.0, 0.0, 2, 0),
+        SamplingRow {
+            top_logprobs: 20,
+            ..row(0.0, 0, 1.0, 0.0, 3, 0)
+        },
+    ];
+    for backend_is_invariant in [false, true] {
+        let cpu = CpuBackend::<f32>::new();
+        cpu.set_batch_invariant(backend_is_invariant).unwrap();
+        let buf = cpu.upload(&logits, BufKind::Full).unwrap();
+        let got = cpu.sample(&buf, vocab, &rows).unwrap();
+        for (r, (s, asked)) in got.iter().zip(&rows).enumerate() {
+            let row_logits = &logits[r * vocab..(r + 1) * vocab];
+            let t = if asked.temperature > 0.0 {
+                asked.temperature
+            } else {
+                1.0
+            };
+            let reference = log_softmax(row_logits, f64::from(t));
+            let what = format!("row {r}, invariant {backend_is_invariant}");
+            assert_eq!(s.top_logprobs.len(), asked.top_logprobs, "{what}");
+            assert_top_logprobs(
+                &s.top_logprobs,
+                &reference,
+                asked.top_logprobs,
+                (s.token, s.logprob),
+                &what,
+            );
+        }
+    }
 }

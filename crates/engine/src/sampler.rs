@@ -114,6 +114,9 @@ pub struct SamplingParams {
     pub seed: Option<u64>,
     /// Return each token's log-probability.
     pub logprobs: bool,
+    /// Also return, for each token, this many of the most likely tokens and their
+    /// log-probs (OpenAI's `top_logprobs`; see [`floe_backend::Sampled::top_logprobs`]).
+    pub top_logprobs: usize,
     /// Ignore stop tokens and strings and always generate `max_new_tokens` (benchmarks).
     pub force_full_length: bool,
 }
@@ -131,6 +134,7 @@ impl Default for SamplingParams {
             include_stop_str_in_output: false,
             seed: None,
             logprobs: true,
+            top_logprobs: 0,
             force_full_length: false,
         }
     }
@@ -161,6 +165,10 @@ pub struct Generation {
     /// Log-probability of each generated token (see [`floe_backend::Sampled`]); empty
     /// when the request did not ask for log-probs.
     pub logprobs: Vec<f32>,
+    /// The most likely tokens and their log-probs at each generated token (see
+    /// [`SamplingParams::top_logprobs`]); empty when the request asked for none.
+    #[serde(default)]
+    pub top_logprobs: Vec<Vec<(u32, f32)>>,
     /// Why it finished.
     pub stop_reason: StopReason,
     /// The detokenized text, cut before the matched stop string (or right after it, with
@@ -181,6 +189,8 @@ pub struct SampleProgress<'a> {
     pub tokens: &'a [u32],
     /// Their log-probs; empty when the request did not ask for log-probs.
     pub logprobs: &'a [f32],
+    /// Their top log-probs; empty when the request did not ask for them.
+    pub top_logprobs: &'a [Vec<(u32, f32)>],
 }
 
 /// What a streaming run reports: tokens as they are decoded, then each finished sample.
@@ -307,6 +317,7 @@ struct SampleSeq {
     computed: usize,
     table: BlockTable,
     logprobs: Vec<f32>,
+    top_logprobs: Vec<Vec<(u32, f32)>>,
     /// Bytes of generated text already searched for stop strings.
     searched_text: usize,
     /// The shared prefix fill it waits for, if that has not finished.
@@ -695,7 +706,7 @@ impl<M: CachedModel> Sampler<M> {
                         let rows = &sampled[row..=row + drafted];
                         let kept = kept_tokens(&chunk.draft, rows.iter().map(|s| s.token));
                         let mut stopped = None;
-                        for (j, &token) in rows[..kept].iter().enumerate() {
+                        for (j, token) in rows[..kept].iter().enumerate() {
                             if j + 1 < kept {
                                 // An accepted draft token: its key and value stand.
                                 seq.computed += 1;
@@ -716,6 +727,7 @@ impl<M: CachedModel> Sampler<M> {
                                         sample_index: seq.index,
                                         tokens: &seq.tokens[seq.prompt_len..],
                                         logprobs: &seq.logprobs,
+                                        top_logprobs: &seq.top_logprobs,
                                     }),
                                 );
                                 if flow == SampleFlow::Cancel {
@@ -1154,6 +1166,7 @@ impl<M: CachedModel> Sampler<M> {
                 computed,
                 table,
                 logprobs: Vec::new(),
+                top_logprobs: Vec::new(),
                 searched_text: 0,
                 waits_for,
             });
@@ -1226,6 +1239,7 @@ impl<M: CachedModel> Sampler<M> {
                     min_p: params.min_p,
                     seed: sample_seed(request.seed, seq.index),
                     offset: offset as u64,
+                    top_logprobs: params.top_logprobs,
                 })
             })
             .collect()
@@ -1246,6 +1260,7 @@ impl<M: CachedModel> Sampler<M> {
             sample_index: seq.index,
             tokens: seq.tokens[seq.prompt_len..].to_vec(),
             logprobs: seq.logprobs,
+            top_logprobs: seq.top_logprobs,
             stop_reason,
             text,
         };
@@ -1270,12 +1285,15 @@ impl SampleSeq {
 fn append_token(
     seq: &mut SampleSeq,
     request: &RequestState,
-    sampled: floe_backend::Sampled,
+    sampled: &floe_backend::Sampled,
     detokenizer: Option<&Detokenizer>,
 ) -> Option<(StopReason, Option<String>)> {
     seq.tokens.push(sampled.token);
     if request.params.logprobs {
         seq.logprobs.push(sampled.logprob);
+    }
+    if request.params.top_logprobs > 0 {
+        seq.top_logprobs.push(sampled.top_logprobs.clone());
     }
     let generated = &seq.tokens[seq.prompt_len..];
     let stops = !request.params.force_full_length;

@@ -264,6 +264,7 @@ mod tests {
             min_p: 0.0,
             seed,
             offset,
+            top_logprobs: 0,
         }
     }
 

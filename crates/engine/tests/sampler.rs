@@ -155,8 +155,12 @@ fn reference(request: &SampleRequest) -> Vec<Generation> {
                     min_p: p.min_p,
                     seed: sample_seed(p.seed.unwrap(), index),
                     offset: generated as u64,
+                    top_logprobs: 0,
                 };
-                let sampled = backend.sample(&logits, VOCAB, &[row]).unwrap()[0];
+                let sampled = backend
+                    .sample(&logits, VOCAB, &[row])
+                    .unwrap()
+                    .swap_remove(0);
                 tokens.push(sampled.token);
                 logprobs.push(sampled.logprob);
                 let text = detokenize(&tokens[request.prompt.len()..]);
@@ -192,6 +196,7 @@ fn reference(request: &SampleRequest) -> Vec<Generation> {
                 sample_index: index,
                 tokens: tokens[request.prompt.len()..].to_vec(),
                 logprobs,
+                top_logprobs: Vec::new(),
                 stop_reason,
                 text,
             }

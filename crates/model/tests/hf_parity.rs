@@ -152,6 +152,7 @@ fn greedy_continuations_match_transformers() {
                 min_p: 0.0,
                 seed: 0,
                 offset: 0,
+                top_logprobs: 0,
             };
             input = CachedInput {
                 block_tables: block_tables.clone(),

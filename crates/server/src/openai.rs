@@ -46,6 +46,10 @@ use crate::worker::Worker;
 
 /// Most choices (`n`) one request may ask for.
 const MAX_N: usize = 128;
+/// Most top alternatives per token: OpenAI's caps, chat's `top_logprobs` and the legacy
+/// completions' `logprobs`.
+const MAX_CHAT_TOP_LOGPROBS: u32 = 20;
+const MAX_COMPLETION_TOP_LOGPROBS: u32 = 5;
 /// `max_tokens` of `/v1/completions` when absent (OpenAI's default).
 const COMPLETIONS_DEFAULT_MAX_TOKENS: usize = 16;
 
@@ -323,7 +327,6 @@ struct Common {
     #[serde(default)]
     stream: bool,
     stream_options: Option<StreamOptions>,
-    top_logprobs: Option<u32>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -337,6 +340,9 @@ struct ChatRequest {
     #[serde(flatten)]
     common: Common,
     messages: Value,
+    /// How many of the most likely tokens to report at each token, besides its log-prob
+    /// (which every choice carries, with or without `logprobs: true`).
+    top_logprobs: Option<u32>,
     tools: Option<Value>,
     /// vLLM's extension: more template variables (e.g. `enable_thinking`).
     chat_template_kwargs: Option<Value>,
@@ -347,7 +353,7 @@ struct CompletionRequest {
     #[serde(flatten)]
     common: Common,
     prompt: Value,
-    /// OpenAI's `logprobs` is the number of top alternatives; only 0 (or absent) works.
+    /// OpenAI's `logprobs` is the number of top alternatives per token.
     logprobs: Option<u32>,
     #[serde(default)]
     echo: bool,
@@ -368,12 +374,26 @@ fn parse<T: serde::de::DeserializeOwned>(route: &str, body: Body) -> Result<T, O
     })
 }
 
-/// The engine's parameters for `common`, a prompt of `prompt_len` tokens.
+/// The number of top alternatives per token a request asks for in `field`, at most `cap`.
+fn top_logprobs(asked: Option<u32>, cap: u32, field: &'static str) -> Result<usize, OpenAiError> {
+    let asked = asked.unwrap_or(0);
+    if asked > cap {
+        return Err(OpenAiError::bad(
+            format!("{field} {asked} is not in [0, {cap}]"),
+            field,
+        ));
+    }
+    Ok(asked as usize)
+}
+
+/// The engine's parameters for `common`, a prompt of `prompt_len` tokens, with
+/// `top_logprobs` alternatives per token.
 fn sampling_params(
     common: &Common,
     facts: &ModelFacts,
     prompt_len: usize,
     default_max: Option<usize>,
+    top_logprobs: usize,
 ) -> Result<SamplingParams, OpenAiError> {
     let max_new_tokens = facts
         .new_token_budget(
@@ -394,12 +414,6 @@ fn sampling_params(
         return Err(OpenAiError::bad(
             format!("top_p {top_p} is not in (0, 1]"),
             "top_p",
-        ));
-    }
-    if common.top_logprobs.unwrap_or(0) > 0 {
-        return Err(OpenAiError::bad(
-            "top_logprobs is not supported yet; every choice carries the sampled tokens' log-probs",
-            "top_logprobs",
         ));
     }
     let stop_strings = match &common.stop {
@@ -435,6 +449,7 @@ fn sampling_params(
         include_stop_str_in_output: common.include_stop_str_in_output,
         seed: common.seed,
         logprobs: true,
+        top_logprobs,
         ..SamplingParams::default()
     })
 }
@@ -457,6 +472,7 @@ enum Event {
         index: usize,
         tokens: Vec<u32>,
         logprobs: Vec<f32>,
+        top_logprobs: Vec<Vec<(u32, f32)>>,
     },
     Generation(Generation),
     Done,
@@ -532,6 +548,11 @@ impl SampleSink for OpenAiSample {
                 index,
                 tokens: progress.tokens[from..].to_vec(),
                 logprobs: progress.logprobs.get(from..).unwrap_or_default().to_vec(),
+                top_logprobs: progress
+                    .top_logprobs
+                    .get(from..)
+                    .unwrap_or_default()
+                    .to_vec(),
             });
         }
     }
@@ -629,27 +650,40 @@ fn token_text(text: &Text, id: u32) -> String {
     text.tokenizer.decode(&[id], false).unwrap_or_default()
 }
 
-/// OpenAI chat `logprobs` of `tokens`.
-fn chat_logprobs(text: &Text, tokens: &[u32], logprobs: &[f32]) -> Value {
+/// OpenAI chat `logprobs` of `tokens`, with their top alternatives `tops` (one list per
+/// token; empty when the request asked for none).
+fn chat_logprobs(text: &Text, tokens: &[u32], logprobs: &[f32], tops: &[Vec<(u32, f32)>]) -> Value {
+    let entry = |id: u32, lp: f32| {
+        let token = token_text(text, id);
+        json!({ "token": token, "logprob": lp, "bytes": token.as_bytes() })
+    };
     let content: Vec<Value> = tokens
         .iter()
         .zip(logprobs)
-        .map(|(&id, &lp)| {
-            let token = token_text(text, id);
-            json!({
-                "token": token,
-                "logprob": lp,
-                "bytes": token.as_bytes(),
-                "top_logprobs": [],
-            })
+        .enumerate()
+        .map(|(i, (&id, &lp))| {
+            let top: Vec<Value> = tops
+                .get(i)
+                .map(|top| top.iter().map(|&(id, lp)| entry(id, lp)).collect())
+                .unwrap_or_default();
+            let mut item = entry(id, lp);
+            item["top_logprobs"] = json!(top);
+            item
         })
         .collect();
     json!({ "content": content })
 }
 
 /// OpenAI completions `logprobs` of `tokens`, the first at text offset `at` (moved past
-/// them).
-fn completion_logprobs(text: &Text, tokens: &[u32], logprobs: &[f32], at: &mut usize) -> Value {
+/// them), with their top alternatives `tops` as token-text → log-prob maps (`null` when
+/// the request asked for none).
+fn completion_logprobs(
+    text: &Text,
+    tokens: &[u32],
+    logprobs: &[f32],
+    tops: &[Vec<(u32, f32)>],
+    at: &mut usize,
+) -> Value {
     let mut offsets = Vec::with_capacity(tokens.len());
     let pieces: Vec<String> = tokens
         .iter()
@@ -660,10 +694,23 @@ fn completion_logprobs(text: &Text, tokens: &[u32], logprobs: &[f32], at: &mut u
             piece
         })
         .collect();
+    let top_logprobs = if tops.is_empty() {
+        Value::Null
+    } else {
+        tops.iter()
+            .map(|top| {
+                top.iter()
+                    .map(|&(id, lp)| (token_text(text, id), json!(lp)))
+                    .collect::<serde_json::Map<_, _>>()
+                    .into()
+            })
+            .collect::<Vec<Value>>()
+            .into()
+    };
     json!({
         "tokens": pieces,
         "token_logprobs": logprobs,
-        "top_logprobs": null,
+        "top_logprobs": top_logprobs,
         "text_offset": offsets,
     })
 }
@@ -893,7 +940,8 @@ async fn chat_completions(
     let text = state.text(&target.base_model)?;
     let prompt = chat_prompt(&text, &request)?;
     let n = choices(&request.common)?;
-    let params = sampling_params(&request.common, &target.facts, prompt.len(), None)?;
+    let top = top_logprobs(request.top_logprobs, MAX_CHAT_TOP_LOGPROBS, "top_logprobs")?;
+    let params = sampling_params(&request.common, &target.facts, prompt.len(), None, top)?;
     let mut holds = params.stop_strings.clone();
     if request.tools.is_some() {
         holds.push(TOOL_CALL_OPEN.to_string());
@@ -938,7 +986,7 @@ async fn chat_completions(
             json!({
                 "index": g.sample_index,
                 "message": message,
-                "logprobs": chat_logprobs(&text, &g.tokens, &g.logprobs),
+                "logprobs": chat_logprobs(&text, &g.tokens, &g.logprobs, &g.top_logprobs),
                 "finish_reason": finish_reason,
                 "token_ids": g.tokens,
             })
@@ -999,12 +1047,7 @@ fn completion_prompt(
 /// `POST /v1/completions`.
 async fn completions(State(state): State<OpenAiRef>, body: Body) -> Result<Response, OpenAiError> {
     let request: CompletionRequest = parse("completions", body)?;
-    if request.logprobs.unwrap_or(0) > 0 {
-        return Err(OpenAiError::bad(
-            "logprobs > 0 (top alternatives) is not supported yet; every choice carries the sampled tokens' log-probs",
-            "logprobs",
-        ));
-    }
+    let top = top_logprobs(request.logprobs, MAX_COMPLETION_TOP_LOGPROBS, "logprobs")?;
     if request.echo {
         return Err(OpenAiError::bad("echo is not supported", "echo"));
     }
@@ -1017,6 +1060,7 @@ async fn completions(State(state): State<OpenAiRef>, body: Body) -> Result<Respo
         &target.facts,
         prompt.len(),
         Some(COMPLETIONS_DEFAULT_MAX_TOKENS),
+        top,
     )?;
     let holds = params.stop_strings.clone();
     let stream = request.common.stream;
@@ -1048,7 +1092,13 @@ async fn completions(State(state): State<OpenAiRef>, body: Body) -> Result<Respo
             json!({
                 "index": g.sample_index,
                 "text": finished.content,
-                "logprobs": completion_logprobs(&text, &g.tokens, &g.logprobs, &mut 0),
+                "logprobs": completion_logprobs(
+                    &text,
+                    &g.tokens,
+                    &g.logprobs,
+                    &g.top_logprobs,
+                    &mut 0,
+                ),
                 "finish_reason": finished.finish_reason,
                 "token_ids": g.tokens,
             })
@@ -1209,6 +1259,7 @@ impl ChunkWriter {
 
     /// A choice's text `piece` with the tokens it came with (possibly none, or text
     /// still held for tokens sent before).
+    #[allow(clippy::too_many_arguments)]
     fn delta(
         &mut self,
         text: &Text,
@@ -1217,19 +1268,20 @@ impl ChunkWriter {
         piece: &str,
         tokens: &[u32],
         logprobs: &[f32],
+        tops: &[Vec<(u32, f32)>],
     ) {
         let body = match self.kind {
             StreamKind::Chat => json!({
                 "index": index,
                 "delta": { "content": piece },
-                "logprobs": chat_logprobs(text, tokens, logprobs),
+                "logprobs": chat_logprobs(text, tokens, logprobs, tops),
                 "finish_reason": null,
                 "token_ids": tokens,
             }),
             StreamKind::Completion => json!({
                 "index": index,
                 "text": piece,
-                "logprobs": completion_logprobs(text, tokens, logprobs, &mut choice.offset),
+                "logprobs": completion_logprobs(text, tokens, logprobs, tops, &mut choice.offset),
                 "finish_reason": null,
                 "token_ids": tokens,
             }),
@@ -1245,6 +1297,7 @@ impl ChunkWriter {
         let streamed = choice.tokens.len().min(g.tokens.len());
         let tokens = &g.tokens[streamed..];
         let logprobs = g.logprobs.get(streamed..).unwrap_or_default();
+        let tops = g.top_logprobs.get(streamed..).unwrap_or_default();
         let finished = finish(text, g);
         let rest = choice.rest_of(&finished.content).to_string();
         let mut finish_reason = finished.finish_reason;
@@ -1266,7 +1319,7 @@ impl ChunkWriter {
             let chunk = self.chunk(json!([{
                 "index": index,
                 "delta": { "content": before, "tool_calls": calls },
-                "logprobs": chat_logprobs(text, tokens, logprobs),
+                "logprobs": chat_logprobs(text, tokens, logprobs, tops),
                 "finish_reason": null,
                 "token_ids": tokens,
             }]));
@@ -1275,7 +1328,7 @@ impl ChunkWriter {
                 finish_reason = "tool_calls";
             }
         } else if !tokens.is_empty() || !rest.is_empty() {
-            self.delta(text, index, choice, &rest, tokens, logprobs);
+            self.delta(text, index, choice, &rest, tokens, logprobs, tops);
         }
         let last = match self.kind {
             StreamKind::Chat => {
@@ -1340,13 +1393,22 @@ fn stream_choices(
                     index,
                     tokens,
                     logprobs,
+                    top_logprobs,
                 } => {
                     let Some(choice) = choices.get_mut(index) else {
                         continue;
                     };
                     choice.push(&text, &tokens);
                     let piece = choice.release(&spec.holds).to_string();
-                    writer.delta(&text, index, choice, &piece, &tokens, &logprobs);
+                    writer.delta(
+                        &text,
+                        index,
+                        choice,
+                        &piece,
+                        &tokens,
+                        &logprobs,
+                        &top_logprobs,
+                    );
                 }
                 Event::Generation(g) => {
                     if let Some(choice) = choices.get_mut(g.sample_index) {

@@ -335,6 +335,138 @@ fn completions_take_text_or_token_ids_and_stream() {
     assert_eq!(streamed, choice["text"].as_str().unwrap());
 }
 
+/// A chat choice's `logprobs.content` items from the chunks of a stream, by choice.
+fn streamed_chat_logprob_items(events: &[String], n: usize) -> Vec<Vec<Value>> {
+    let mut items = vec![Vec::new(); n];
+    for event in &events[..events.len() - 1] {
+        let chunk: Value = serde_json::from_str(event).unwrap();
+        for choice in chunk["choices"].as_array().unwrap() {
+            let i = choice["index"].as_u64().unwrap() as usize;
+            if let Some(content) = choice["logprobs"]["content"].as_array() {
+                items[i].extend(content.iter().cloned());
+            }
+        }
+    }
+    items
+}
+
+/// Asserts a chat `logprobs.content` item's `top_logprobs` are `k` alternatives by
+/// decreasing log-prob, none above the sampled token's unless it is among them, and
+/// that the sampled token, when among them, has its own log-prob there.
+fn assert_top_alternatives(item: &Value, k: usize) {
+    let top = item["top_logprobs"].as_array().unwrap();
+    assert_eq!(top.len(), k, "{item}");
+    let values: Vec<f64> = top.iter().map(|t| t["logprob"].as_f64().unwrap()).collect();
+    assert!(values.windows(2).all(|w| w[0] >= w[1]), "{item}");
+    for t in top {
+        assert!(t["token"].is_string() && t["bytes"].is_array(), "{item}");
+    }
+    let sampled = item["logprob"].as_f64().unwrap();
+    assert!(sampled <= values[0], "{item}");
+    if sampled > values[k - 1] {
+        assert!(
+            top.iter()
+                .any(|t| t["token"] == item["token"] && t["logprob"].as_f64() == Some(sampled)),
+            "the sampled token is missing from its top alternatives: {item}"
+        );
+    }
+}
+
+#[test]
+fn top_logprobs_are_the_most_likely_tokens_streamed_or_not() {
+    let dir = tempfile::tempdir().unwrap();
+    let addr = start(config(dir.path()));
+    let plain = ok(&post_v1(
+        addr,
+        "chat/completions",
+        &chat_body(BASE_MODEL, 2, 5),
+    ));
+    let mut body = chat_body(BASE_MODEL, 2, 5);
+    body["logprobs"] = json!(true);
+    body["top_logprobs"] = json!(4);
+    let asked = ok(&post_v1(addr, "chat/completions", &body));
+    for (i, (choice, plain)) in asked["choices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .zip(plain["choices"].as_array().unwrap())
+        .enumerate()
+    {
+        // Asking changes neither the tokens nor their log-probs (what a trainer keeps).
+        assert_eq!(choice["token_ids"], plain["token_ids"], "choice {i}");
+        assert_eq!(chat_logprobs(choice), chat_logprobs(plain), "choice {i}");
+        for item in plain["logprobs"]["content"].as_array().unwrap() {
+            assert_eq!(item["top_logprobs"], json!([]), "{item}");
+        }
+        for item in choice["logprobs"]["content"].as_array().unwrap() {
+            assert_top_alternatives(item, 4);
+        }
+    }
+    body["stream"] = json!(true);
+    let streamed =
+        streamed_chat_logprob_items(&events(&post_v1(addr, "chat/completions", &body)), 2);
+    for (i, choice) in asked["choices"].as_array().unwrap().iter().enumerate() {
+        assert_eq!(
+            Value::from(streamed[i].clone()),
+            choice["logprobs"]["content"],
+            "choice {i}"
+        );
+    }
+
+    // Greedy: the sampled token is the most likely one.
+    let greedy = ok(&post_v1(
+        addr,
+        "chat/completions",
+        &json!({"model": BASE_MODEL, "messages": [{"role": "user", "content": "Hi"}],
+                "max_tokens": 6, "temperature": 0.0, "logprobs": true, "top_logprobs": 20}),
+    ));
+    for item in greedy["choices"][0]["logprobs"]["content"]
+        .as_array()
+        .unwrap()
+    {
+        assert_top_alternatives(item, 20);
+        assert_eq!(
+            item["top_logprobs"][0]["logprob"], item["logprob"],
+            "{item}"
+        );
+    }
+
+    // Completions: one token-text → log-prob map per token (texts may coincide).
+    let completion = json!({"model": BASE_MODEL, "prompt": "User: Name a colour.",
+                            "max_tokens": 6, "seed": 3, "logprobs": 3});
+    let whole = ok(&post_v1(addr, "completions", &completion));
+    let logprobs = &whole["choices"][0]["logprobs"];
+    let tops = logprobs["top_logprobs"].as_array().unwrap();
+    let sampled = logprobs["token_logprobs"].as_array().unwrap();
+    assert_eq!(tops.len(), sampled.len(), "{logprobs}");
+    for (top, lp) in tops.iter().zip(sampled) {
+        let top = top.as_object().unwrap();
+        assert!((1..=3).contains(&top.len()), "{logprobs}");
+        let best = top
+            .values()
+            .map(|v| v.as_f64().unwrap())
+            .fold(f64::MIN, f64::max);
+        assert!(lp.as_f64().unwrap() <= best, "{logprobs}");
+    }
+    let mut stream = completion.clone();
+    stream["stream"] = json!(true);
+    let events = events(&post_v1(addr, "completions", &stream));
+    let mut streamed_tops = Vec::new();
+    for event in &events[..events.len() - 1] {
+        let chunk: Value = serde_json::from_str(event).unwrap();
+        if let Some(top) = chunk["choices"][0]["logprobs"]["top_logprobs"].as_array() {
+            streamed_tops.extend(top.iter().cloned());
+        }
+    }
+    assert_eq!(&streamed_tops, tops);
+    let unasked = ok(&post_v1(
+        addr,
+        "completions",
+        &json!({"model": BASE_MODEL, "prompt": "Hi", "max_tokens": 2}),
+    ));
+    assert!(unasked["choices"][0]["logprobs"]["top_logprobs"].is_null());
+}
+
 #[test]
 fn a_stop_string_ends_the_choice_before_it() {
     let dir = tempfile::tempdir().unwrap();
@@ -496,9 +628,9 @@ fn bad_requests_answer_4xx_in_openai_error_shape() {
             "temperature",
         ),
         (
-            json!({"model": BASE_MODEL, "messages": messages, "top_logprobs": 5}),
+            json!({"model": BASE_MODEL, "messages": messages, "logprobs": true, "top_logprobs": 21}),
             400,
-            "top_logprobs",
+            "top_logprobs 21 is not in [0, 20]",
         ),
         (
             json!({"model": BASE_MODEL, "messages": messages, "stop": [""]}),
@@ -524,6 +656,13 @@ fn bad_requests_answer_4xx_in_openai_error_shape() {
         400,
         "vocabulary",
     );
+    let too_many = post_v1(
+        addr,
+        "completions",
+        &json!({"model": BASE_MODEL, "prompt": "hi", "logprobs": 6}),
+    );
+    assert_openai_error(&too_many, 400, "logprobs 6 is not in [0, 5]");
+    assert_eq!(too_many.json()["error"]["param"], "logprobs");
     let garbled = request(
         addr,
         "POST",

@@ -1,7 +1,8 @@
 """The unmodified `openai` SDK against `floe serve`'s /v1 routes (run by tests/openai.rs).
 
 Reads OPENAI_BASE_URL, OPENAI_API_KEY and FLOE_BASE_MODEL. Checks that chat, streamed
-chat and completions return the sampled token ids with one log-prob each, that the same
+chat and completions return the sampled token ids with one log-prob each (and, asked,
+their top alternatives: chat's `top_logprobs`, completions' `logprobs`), that the same
 prompt and seed give the same tokens and log-probs on every route, that streams arrive
 token by token while the engine decodes (also with a stop string across tokens, and
 beside other clients' requests) and add up to the non-streamed result, that a multi-turn
@@ -46,6 +47,34 @@ for choice in chat.choices:
     assert choice.finish_reason in ("stop", "length")
     whole[choice.index] = (tokens, logprobs, choice.message.content)
 assert chat.usage.prompt_tokens == len(prompt)
+
+# Top log-probs: the SDK reads them; asking changes neither the tokens nor their log-probs.
+top = client.chat.completions.create(
+    model=MODEL, messages=messages, max_tokens=8, seed=3, n=2, logprobs=True, top_logprobs=3
+)
+for choice in top.choices:
+    tokens, logprobs, _ = whole[choice.index]
+    assert extra(choice, "token_ids") == tokens
+    assert [t.logprob for t in choice.logprobs.content] == logprobs
+    for item in choice.logprobs.content:
+        alternatives = item.top_logprobs
+        assert len(alternatives) == 3, item
+        assert all(a.logprob >= b.logprob for a, b in zip(alternatives, alternatives[1:])), item
+        assert item.logprob <= alternatives[0].logprob, item
+        assert all(isinstance(a.token, str) and a.bytes is not None for a in alternatives)
+first = top.choices[0].logprobs.content[0].top_logprobs
+streamed_first = None
+for chunk in client.chat.completions.create(
+    model=MODEL, messages=messages, max_tokens=8, seed=3, n=2, logprobs=True, top_logprobs=3,
+    stream=True,
+):
+    for choice in chunk.choices:
+        if choice.index == 0 and choice.logprobs and choice.logprobs.content and streamed_first is None:
+            streamed_first = choice.logprobs.content[0].top_logprobs
+assert streamed_first == first, (streamed_first, first)
+legacy = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, seed=3, logprobs=2)
+assert len(legacy.choices[0].logprobs.top_logprobs) == len(legacy.choices[0].logprobs.tokens)
+assert all(1 <= len(m) <= 2 for m in legacy.choices[0].logprobs.top_logprobs)
 
 # Completions over the rendered prompt ids: the same samples.
 completion = client.completions.create(

@@ -57,6 +57,7 @@ pub fn engine_sampling_params(
         include_stop_str_in_output: true,
         seed: None,
         logprobs: params.logprobs > 0,
+        top_logprobs: 0,
         force_full_length: false,
     }
 }

@@ -2,7 +2,7 @@
 //! log-prob, entropy and log-sum-exp per row; the backward recomputes the chunk's logits.
 //!
 //! Batch invariant, the logits come from the batch-invariant product, unscaled, and are
-//! then multiplied by `logit_scale`: the sampler's [`token_logprob`] takes the same steps
+//! then multiplied by `logit_scale`: the sampler's [`token_logprobs`] takes the same steps
 //! from the cached forward's logits, so both get the same bits.
 
 use rayon::prelude::*;
@@ -88,12 +88,18 @@ fn row_stats<T: CpuFloat>(z: &[T], target: u32, e: &mut Vec<T>) -> (T, T, T) {
     (z[target as usize] - row_lse, entropy, row_lse)
 }
 
-/// The log-prob of `target` that the batch-invariant [`forward`] computes for a row
-/// whose unscaled logits are `logits`: `logits · logit_scale`, then [`row_stats`].
-pub(crate) fn token_logprob<T: CpuFloat>(logits: &[T], logit_scale: f32, target: u32) -> T {
+/// The log-probs of `targets` that the batch-invariant [`forward`] computes for a row
+/// whose unscaled logits are `logits`: `logits · logit_scale`, then [`row_stats`]'s
+/// `z[target] − lse` for each (one log-sum-exp for all of them).
+pub(crate) fn token_logprobs<T: CpuFloat>(
+    logits: &[T],
+    logit_scale: f32,
+    targets: impl Iterator<Item = u32>,
+) -> Vec<T> {
     let scale = T::from_f32(logit_scale);
     let z: Vec<T> = logits.iter().map(|&x| x * scale).collect();
-    row_stats(&z, target, &mut Vec::new()).0
+    let row_lse = row_stats(&z, 0, &mut Vec::new()).2;
+    targets.map(|t| z[t as usize] - row_lse).collect()
 }
 
 /// See [`crate::Backend::lm_head_forward`]. Targets are already checked `< vocab`;

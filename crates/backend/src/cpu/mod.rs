@@ -1079,14 +1079,19 @@ impl<T: CpuFloat> Backend for CpuBackend<T> {
                 let z32: Vec<f32> = z.iter().map(|x| x.to_f32()).collect();
                 let mut sampled = sampling::sample_row(&z32, row);
                 if invariant {
-                    // The training forward's log-prob of this row, bit for bit.
+                    // The training forward's log-probs of this row, bit for bit.
                     let logit_scale = if row.temperature > 0.0 {
                         1.0 / row.temperature
                     } else {
                         1.0
                     };
-                    sampled.logprob =
-                        lm_head::token_logprob(z, logit_scale, sampled.token).to_f32();
+                    let targets = std::iter::once(sampled.token)
+                        .chain(sampled.top_logprobs.iter().map(|&(id, _)| id));
+                    let logprobs = lm_head::token_logprobs(z, logit_scale, targets);
+                    sampled.logprob = logprobs[0].to_f32();
+                    for (top, lp) in sampled.top_logprobs.iter_mut().zip(&logprobs[1..]) {
+                        top.1 = lp.to_f32();
+                    }
                 }
                 sampled
             })

@@ -1474,11 +1474,33 @@ impl Backend for CudaBackend {
         let tokens = s.clone_dtoh(&tokens)?;
         let logprobs = s.clone_dtoh(&logprobs)?;
         s.synchronize()?;
-        Ok(tokens
+        let mut sampled: Vec<Sampled> = tokens
             .into_iter()
             .zip(logprobs)
-            .map(|(token, logprob)| Sampled { token, logprob })
-            .collect())
+            .map(|(token, logprob)| Sampled {
+                token,
+                logprob,
+                top_logprobs: Vec::new(),
+            })
+            .collect();
+        // The rows that ask for top log-probs (OpenAI clients, rarely) get them on the
+        // host from their downloaded logits, by the reference code; other rows pay nothing.
+        for (r, row) in rows.iter().enumerate() {
+            if row.top_logprobs == 0 {
+                continue;
+            }
+            let row_logits = self.download_range(logits, r * vocab, vocab)?;
+            let sampled = &mut sampled[r];
+            sampled.top_logprobs = sampling::top_logprobs(&row_logits, row);
+            // The host's log-sum-exp adds in another order than the kernel's: the sampled
+            // token's entry takes the kernel's value, which the trainer compares against.
+            for top in &mut sampled.top_logprobs {
+                if top.0 == sampled.token {
+                    top.1 = sampled.logprob;
+                }
+            }
+        }
+        Ok(sampled)
     }
 
     // ---- optimizer -------------------------------------------------------------------
@@ -1567,6 +1589,36 @@ impl Backend for CudaBackend {
 }
 
 impl CudaBackend {
+    /// Elements `start..start + len` of float `buf`, as f32.
+    fn download_range(&self, buf: &CudaBuf, start: usize, len: usize) -> Result<Vec<f32>> {
+        let range = start..start + len;
+        let out = match &buf.storage {
+            Storage::Bf16(s) => {
+                let mut bits = vec![0u16; len];
+                self.stream.memcpy_dtoh(&s.slice(range), &mut bits)?;
+                self.stream.synchronize()?;
+                bits.into_iter()
+                    .map(|b| half::bf16::from_bits(b).to_f32())
+                    .collect()
+            }
+            Storage::F32(s) => {
+                let mut v = vec![0f32; len];
+                self.stream.memcpy_dtoh(&s.slice(range), &mut v)?;
+                self.stream.synchronize()?;
+                v
+            }
+            Storage::U32(_) => {
+                return Err(Error::Kind {
+                    op: "download_range",
+                    arg: "buf",
+                    expected: BufKind::Full,
+                    got: BufKind::Index,
+                })
+            }
+        };
+        Ok(out)
+    }
+
     /// [`Backend::adamw_host`] for a bf16 `param`: chunk by chunk, the gradient comes down
     /// into one page-locked buffer while the host updates the chunk before it and the
     /// chunk before that goes up, all queued on the one stream.
