@@ -177,6 +177,19 @@ fn float_kind<T>(buf: &CpuBuf<T>) -> BufKind {
 }
 
 /// The values of a Compute or Full buffer.
+/// `src` is of `dst`'s kind (the copies between buffers).
+fn same_kind<T>(op: &'static str, dst: &CpuBuf<T>, src: &CpuBuf<T>) -> Result<()> {
+    if float_kind(dst) == float_kind(src) {
+        return Ok(());
+    }
+    Err(Error::Kind {
+        op,
+        arg: "src",
+        expected: float_kind(dst),
+        got: float_kind(src),
+    })
+}
+
 fn floats<'a, T>(op: &'static str, arg: &'static str, buf: &'a CpuBuf<T>) -> Result<&'a [T]> {
     match buf {
         CpuBuf::Float { data, .. } => Ok(data),
@@ -399,14 +412,7 @@ impl<T: CpuFloat> Backend for CpuBackend<T> {
         const OP: &str = "copy_into";
         let src_len = self.len(src);
         contract::copy_into(self.len(dst), offset, src_len)?;
-        if float_kind(dst) != float_kind(src) {
-            return Err(Error::Kind {
-                op: OP,
-                arg: "src",
-                expected: float_kind(dst),
-                got: float_kind(src),
-            });
-        }
+        same_kind(OP, dst, src)?;
         match (dst, src) {
             (CpuBuf::Index(d), CpuBuf::Index(s)) => d[offset..offset + src_len].copy_from_slice(s),
             (CpuBuf::Float { data: d, .. }, CpuBuf::Float { data: s, .. }) => {
@@ -421,14 +427,7 @@ impl<T: CpuFloat> Backend for CpuBackend<T> {
         const OP: &str = "copy_from";
         let dst_len = self.len(dst);
         contract::copy_from(dst_len, self.len(src), offset)?;
-        if float_kind(dst) != float_kind(src) {
-            return Err(Error::Kind {
-                op: OP,
-                arg: "src",
-                expected: float_kind(dst),
-                got: float_kind(src),
-            });
-        }
+        same_kind(OP, dst, src)?;
         match (dst, src) {
             (CpuBuf::Index(d), CpuBuf::Index(s)) => d.copy_from_slice(&s[offset..offset + dst_len]),
             (CpuBuf::Float { data: d, .. }, CpuBuf::Float { data: s, .. }) => {

@@ -380,14 +380,7 @@ impl Backend for CudaBackend {
 
     fn copy_into(&self, dst: &mut CudaBuf, offset: usize, src: &CudaBuf) -> Result<()> {
         const OP: &str = "copy_into";
-        if dst.kind != src.kind {
-            return Err(Error::Kind {
-                op: OP,
-                arg: "src",
-                expected: dst.kind,
-                got: src.kind,
-            });
-        }
+        need(OP, "src", src, dst.kind)?;
         let n = src.len;
         contract::copy_into(dst.len, offset, n)?;
         if n == 0 {
@@ -410,14 +403,7 @@ impl Backend for CudaBackend {
 
     fn copy_from(&self, dst: &mut CudaBuf, src: &CudaBuf, offset: usize) -> Result<()> {
         const OP: &str = "copy_from";
-        if dst.kind != src.kind {
-            return Err(Error::Kind {
-                op: OP,
-                arg: "src",
-                expected: dst.kind,
-                got: src.kind,
-            });
-        }
+        need(OP, "src", src, dst.kind)?;
         let n = dst.len;
         contract::copy_from(n, src.len, offset)?;
         if n == 0 {
