@@ -6,7 +6,7 @@
 # none differ. Results in $OUT/resume.log.
 # Prepare `.device/` as tools/device_speed.sh says (floe.gz), plus recipes/embedded.toml
 # and this script; run `bash .device/device_resume.sh` with `.device` carried. MODE
-# (one_step_off or sync, default sync) picks the pipeline.
+# (one_step_off or sync, default sync) picks the pipeline; DEVICE (cuda:0) the device.
 cd "$(dirname "$0")"
 [ -f floe.gz ] && gunzip -f floe.gz
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64 RUST_LOG=warn
@@ -14,7 +14,7 @@ B=${OUT:-.}/resume.log
 MODE=${MODE:-sync}
 train() {  # train RUN_DIR [OVERRIDES...]
   local dir=$1; shift
-  ./floe train embedded.toml engine.device=cuda:0 engine.memory_fraction=0.3 sft.epochs=1 \
+  ./floe train embedded.toml engine.device=${DEVICE:-cuda:0} engine.memory_fraction=0.3 sft.epochs=1 \
     trainer.logger=[] trainer.run_dir="$dir" trainer.max_training_steps=8 trainer.ckpt_interval=3 \
     trainer.eval_interval=-1 trainer.eval_before_train=false trainer.pipeline.mode="$MODE" "$@"
 }

@@ -53,9 +53,9 @@ impl Ranks {
         self.rank() == 0
     }
 
-    /// Every rank's `value`, in rank order, the same on every rank; floats travel as
-    /// JSON, so types with floats that must arrive exactly carry them as bits
-    /// ([`bits`]).
+    /// Every rank's `value`, in rank order, the same on every rank; values travel as
+    /// JSON, so floats that must arrive exactly (non-finite ones included) are written
+    /// with `floe_engine::native_api::float` or `crate::checkpoint::float_vec`.
     pub fn all_gather<T: Serialize + DeserializeOwned>(&self, value: T) -> Result<Vec<T>> {
         if self.exchange.is_none() {
             return Ok(vec![value]);
