@@ -26,7 +26,7 @@ train runs/killed > runs/killed.log 2>&1 &
 pid=$!
 until [ -d runs/killed/checkpoints/global_step_3 ] || ! kill -0 $pid 2>/dev/null; do sleep 0.2; done
 sleep "$(python3 -c 'import random; print(round(random.uniform(0, 4), 2))')"
-kill -9 $pid 2>/dev/null && echo "killed at step $(wc -l < runs/killed/metrics.jsonl) lines of metrics" | tee -a "$B"
+kill -9 $pid 2>/dev/null && echo "killed with $(wc -l < runs/killed/metrics.jsonl) lines of metrics written" | tee -a "$B"
 wait $pid 2>/dev/null
 train runs/killed trainer.resume=latest 2>&1 | tail -3 | tee -a "$B"
 python3 - "$B" <<'PY' | tee -a "$B"
