@@ -15,7 +15,8 @@ use floe_backend::cpu::CpuBackend;
 use floe_backend::cuda::CudaBackend;
 use floe_backend::sampling::GAMMA;
 use floe_backend::{
-    AdamW, AttnShape, Backend, BufKind, LmHead, Matmul, PagedLayout, QueryRun, SamplingRow, Segment,
+    AdamW, AttnShape, Backend, BufKind, LmHead, Matmul, PagedLayout, QueryRun, Sampled,
+    SamplingRow, Segment,
 };
 
 fn gpu() -> Option<CudaBackend> {
@@ -949,6 +950,44 @@ fn sampling_matches_reference() {
         assert_eq!(same, rows.len(), "every draw must match the reference");
         check(&format!("sample logprob ({kind:?})"), &glp, &clp, 1e-5);
     }
+    // Every other row asks for its most likely tokens (`/v1` top_logprobs): the draws
+    // stay, and the alternatives are the reference's (the same host code over the
+    // downloaded row; the drawn token's entry carries the kernel's log-prob).
+    let asking: Vec<SamplingRow> = rows
+        .iter()
+        .enumerate()
+        .map(|(i, row)| SamplingRow {
+            top_logprobs: if i % 2 == 1 { 1 + i % 20 } else { 0 },
+            ..*row
+        })
+        .collect();
+    let gl = g.upload(&logits, BufKind::Compute).unwrap();
+    let plain = g.sample(&gl, vocab, &rows).unwrap();
+    let gs = g.sample(&gl, vocab, &asking).unwrap();
+    let cs = c
+        .sample(
+            &c.upload(&logits, BufKind::Compute).unwrap(),
+            vocab,
+            &asking,
+        )
+        .unwrap();
+    for (i, ((a, b), p)) in gs.iter().zip(&cs).zip(&plain).enumerate() {
+        assert_eq!(
+            (a.token, a.logprob),
+            (p.token, p.logprob),
+            "row {i}: asking changed the draw"
+        );
+        assert_eq!(a.top_logprobs.len(), asking[i].top_logprobs, "row {i}");
+        let ids = |s: &Sampled| s.top_logprobs.iter().map(|&(t, _)| t).collect::<Vec<_>>();
+        assert_eq!(ids(a), ids(b), "row {i}: top tokens");
+        for (&(t, x), &(_, y)) in a.top_logprobs.iter().zip(&b.top_logprobs) {
+            assert!((x - y).abs() <= 1e-5, "row {i} token {t}: gpu {x} cpu {y}");
+        }
+    }
+    println!(
+        "sample top_logprobs: {} rows asking, same tokens as the CPU",
+        rows.len() / 2
+    );
 }
 
 // ---- optimizer -------------------------------------------------------------------------
