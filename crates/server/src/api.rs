@@ -163,7 +163,7 @@ pub struct Sample {
     /// Top-k prompt log-probs: not supported yet.
     #[serde(default)]
     pub topk_prompt_logprobs: u64,
-    /// Top-k sample log-probs: not supported yet.
+    /// The most likely tokens (up to 20) and their log-probs at each sampled position.
     #[serde(default)]
     pub topk_sample_logprobs: u64,
     /// Alternative prompt tokens: not supported yet.

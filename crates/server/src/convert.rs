@@ -294,6 +294,32 @@ pub fn forward_backward_output(
     })
 }
 
+/// Tinker's `[length, k]` table of each position's most likely tokens; positions with fewer
+/// than `k` (a vocabulary smaller than `k`) are padded with id 0 and log-prob -99999, as the
+/// service pads them. `None` when none were asked for.
+fn topk_logprobs(per_token: &[Vec<(u32, f32)>]) -> Option<proto::TopkLogprobs> {
+    let k = per_token.iter().map(Vec::len).max().filter(|&k| k > 0)?;
+    let padded = |row: &Vec<(u32, f32)>| {
+        let pad = std::iter::repeat_n((0, -99999.0), k - row.len());
+        row.iter().copied().chain(pad).collect::<Vec<_>>()
+    };
+    let rows: Vec<Vec<(u32, f32)>> = per_token.iter().map(padded).collect();
+    Some(proto::TopkLogprobs {
+        token_ids: rows
+            .iter()
+            .flatten()
+            .flat_map(|&(t, _)| (t as i32).to_le_bytes())
+            .collect(),
+        logprobs: rows
+            .iter()
+            .flatten()
+            .flat_map(|&(_, l)| l.to_le_bytes())
+            .collect(),
+        k: k as u32,
+        length: rows.len() as u32,
+    })
+}
+
 /// The `SampleResponse` of finished samples (in sample order) and optional prompt
 /// log-probs.
 pub fn sample_response(generations: &[Generation], prompt_logprobs: Option<&[f64]>) -> Vec<u8> {
@@ -316,6 +342,7 @@ pub fn sample_response(generations: &[Generation], prompt_logprobs: Option<&[f64
                     .flat_map(|l| l.to_le_bytes())
                     .collect(),
             ),
+            topk_sampled_logprobs: topk_logprobs(&generation.top_logprobs),
         })
         .collect();
     prost::Message::encode_to_vec(&proto::SampleResponse {

@@ -213,4 +213,24 @@ pub struct SampledSequence {
     /// Little-endian f32 log-prob of each token.
     #[prost(bytes = "vec", optional, tag = "3")]
     pub logprobs: Option<Vec<u8>>,
+    /// The most likely tokens at each position, when the request asked for them.
+    #[prost(message, optional, tag = "4")]
+    pub topk_sampled_logprobs: Option<TopkLogprobs>,
+}
+
+/// `k` tokens and log-probs per position, row-major `[length, k]`.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct TopkLogprobs {
+    /// Little-endian int32 token ids.
+    #[prost(bytes = "vec", tag = "1")]
+    pub token_ids: Vec<u8>,
+    /// Little-endian f32 log-probs.
+    #[prost(bytes = "vec", tag = "2")]
+    pub logprobs: Vec<u8>,
+    /// Entries per position.
+    #[prost(uint32, tag = "3")]
+    pub k: u32,
+    /// Positions.
+    #[prost(uint32, tag = "4")]
+    pub length: u32,
 }

@@ -764,6 +764,10 @@ pub async fn get_sampler(
     Ok(Json(body))
 }
 
+/// Most alternatives `asample` returns per sampled token (`topk_sample_logprobs`), as
+/// `/v1/chat/completions` caps `top_logprobs`.
+const MAX_TOPK_SAMPLE_LOGPROBS: u64 = 20;
+
 /// `POST /asample` (future ⇒ protobuf `SampleResponse`, plus `sample_sequence_ids`).
 pub async fn asample(State(app): State<AppRef>, body: Body) -> Result<Json<Value>, ApiError> {
     let request: api::Sample = json_body("asample", body)?;
@@ -785,7 +789,6 @@ pub async fn asample(State(app): State<AppRef>, body: Body) -> Result<Json<Value
         })?;
     let unsupported = [
         ("topk_prompt_logprobs", request.topk_prompt_logprobs),
-        ("topk_sample_logprobs", request.topk_sample_logprobs),
         ("prompt_alt_tokens_k", request.prompt_alt_tokens_k),
     ];
     if let Some((name, _)) = unsupported.iter().find(|(_, k)| *k > 0) {
@@ -799,7 +802,16 @@ pub async fn asample(State(app): State<AppRef>, body: Body) -> Result<Json<Value
             "asample: num_samples must be at least 1",
         ));
     }
-    let params = sampling_params(&request.sampling_params, &sampler.facts, prompt.len())?;
+    if request.topk_sample_logprobs > MAX_TOPK_SAMPLE_LOGPROBS {
+        return Err(ApiError::bad_request(format!(
+            "asample: topk_sample_logprobs {} is not in [0, {MAX_TOPK_SAMPLE_LOGPROBS}]",
+            request.topk_sample_logprobs
+        )));
+    }
+    let params = SamplingParams {
+        top_logprobs: request.topk_sample_logprobs as usize,
+        ..sampling_params(&request.sampling_params, &sampler.facts, prompt.len())?
+    };
     let sample = SampleRequest {
         id: request.seq_id,
         prompt,

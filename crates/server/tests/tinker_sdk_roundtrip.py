@@ -67,6 +67,32 @@ def main():
         assert all(math.isfinite(l) and l <= 0.0 for l in sequence.logprobs), sequence
         assert sequence.stop_reason in ("stop", "length"), sequence
     print("samples:", [(s.tokens, s.stop_reason) for s in response.sequences])
+    # Top-k sample log-probs: a [tokens, k] table per sequence, most likely first; the
+    # sampled token's log-prob is at most the best one.
+    ranked = sampler.sample(
+        prompt=types.ModelInput.from_ints([11, 12, 13]),
+        num_samples=1,
+        sampling_params=types.SamplingParams(max_tokens=4, temperature=1.0, seed=7),
+        topk_sample_logprobs=3,
+    ).result()
+    for sequence in ranked.sequences:
+        table = sequence.topk_logprobs_np
+        assert table is not None and table.logprobs.shape == (len(sequence.tokens), 3), sequence
+        for row, chosen in zip(table.logprobs.tolist(), sequence.logprobs):
+            assert row == sorted(row, reverse=True) and row[0] <= 0.0, row
+            assert chosen <= row[0] + 1e-4, (chosen, row)
+        assert all(len(set(ids)) == 3 for ids in table.token_ids.tolist()), table
+        assert len(sequence.topk_logprobs) == len(sequence.tokens), sequence
+    try:
+        sampler.sample(
+            prompt=types.ModelInput.from_ints([11]),
+            num_samples=1,
+            sampling_params=types.SamplingParams(max_tokens=1),
+            topk_sample_logprobs=21,
+        ).result()
+        raise AssertionError("topk_sample_logprobs=21 was accepted")
+    except tinker.BadRequestError as error:
+        assert "topk_sample_logprobs" in str(error), error
 
     # The RL path: importance_sampling on the samples with their sampler log-probs; at
     # ratio 1 the loss is minus the summed advantages of the sampled positions.
