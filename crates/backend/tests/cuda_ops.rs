@@ -1380,8 +1380,17 @@ fn timing_table() {
         s * 1e3
     );
     // Paged decode, one query per sequence at the end of its context: 64 sequences at
-    // 2048 keys, 256 at 512 (the generation benchmark's shapes), one at 32768.
-    for (seqs, ctx) in [(64usize, 2048usize), (256, 512), (1, 32768)] {
+    // 2048 keys, 256 at 512 (the generation benchmark's shapes), one at 32768; groups of
+    // 2 query heads a kv head (0.6B-1.7B), 4 (4B, 8B) and 8 (32B).
+    for (group, seqs, ctx) in [
+        (2, 64usize, 2048usize),
+        (2, 256, 512),
+        (2, 1, 32768),
+        (4, 256, 512),
+        (8, 256, 512),
+        (8, 64, 2048),
+    ] {
+        let hq = group * hk;
         let bs = 16;
         let mb = ctx / bs;
         let kc = rand(&mut rng, seqs * ctx * hk * d, BufKind::Compute);
@@ -1406,6 +1415,7 @@ fn timing_table() {
         };
         let dshape = AttnShape {
             tokens: seqs,
+            q_heads: hq,
             ..shape
         };
         let s = time(&g, 20, || {
@@ -1415,7 +1425,7 @@ fn timing_table() {
         let bytes = (2 * seqs * ctx * hk * d * 2) as f64;
         println!(
             "{:<44} {:>10.3} {:>8.1} GB/s",
-            format!("paged decode {seqs} seq x {ctx} ctx"),
+            format!("paged decode {seqs} seq x {ctx} ctx, group {group}"),
             s * 1e3,
             bytes / s / 1e9
         );

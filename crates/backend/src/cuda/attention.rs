@@ -134,32 +134,52 @@ pub(crate) fn work_lists(segments: &[Segment], with_keys: bool) -> WorkLists {
     }
 }
 
-/// Warps of a paged-attention block (`PAGED_WARPS` in `attention.cu`).
+/// Warps of a paged-attention block (`PAGED_WARPS` in `attention.cu`), which all work on
+/// one (token, kv head, context split).
 pub(crate) const PAGED_WARPS: usize = 4;
-/// Most query heads one paged-attention warp takes (`PAGED_GMAX`); larger groups are
-/// split over several warps.
+/// Most query heads one paged-attention block takes (`PAGED_GMAX`); larger groups are
+/// split over several blocks.
 pub(crate) const PAGED_MAX_GROUP: usize = 8;
-/// Shortest context split of paged attention, in keys: shorter splits would spend more on
-/// the combine pass than they gain in parallel warps.
+/// Shortest context split of paged attention, in keys (64 for each of the block's warps):
+/// shorter splits would spend more on the combine pass than they gain in parallel blocks.
 const PAGED_MIN_SPLIT: usize = 256;
+/// Paged-attention blocks an SM holds at once, about (the kernels keep 2 to 4 by their
+/// register bounds); the splits aim at two such waves.
+const PAGED_BLOCKS_PER_SM: usize = 4;
+
+/// The decode kernel for `head_dim` and a kv head's `group` of query heads: the group is
+/// held in registers of 2, 4 or 8 heads (`PAGED_DECODE_INSTANCES` in `attention.cu`).
+pub(crate) fn paged_decode_kernel(head_dim: usize, group: usize) -> &'static str {
+    match (head_dim, group.min(PAGED_MAX_GROUP)) {
+        (32, 0..=2) => "paged_attention_d32_g2",
+        (32, 3..=4) => "paged_attention_d32_g4",
+        (32, _) => "paged_attention_d32_g8",
+        (64, 0..=2) => "paged_attention_d64_g2",
+        (64, 3..=4) => "paged_attention_d64_g4",
+        (64, _) => "paged_attention_d64_g8",
+        (_, 0..=2) => "paged_attention_d128_g2",
+        (_, 3..=4) => "paged_attention_d128_g4",
+        _ => "paged_attention_d128_g8",
+    }
+}
 
 /// How paged attention splits each token's context: `(splits, split_len)`, where split
 /// `s` covers keys `[s * split_len, (s + 1) * split_len)`. Enough splits to give the
-/// device about four waves of warps (decode of a small batch is otherwise a few long
+/// device about two waves of blocks (decode of a small batch is otherwise a few long
 /// walks on a few SMs), none shorter than [`PAGED_MIN_SPLIT`], one when the tokens alone
-/// fill the device (prefill). `split_len` is a multiple of the 32-key chunk.
+/// fill the device. `split_len` is a multiple of 64 keys.
 pub(crate) fn paged_splits(
     tokens: usize,
-    warps_per_token: usize,
+    blocks_per_token: usize,
     max_context: usize,
     sm_count: usize,
 ) -> (usize, usize) {
-    let target_warps = sm_count * 32;
-    let warps = (tokens * warps_per_token).max(1);
-    let splits = target_warps
-        .div_ceil(warps)
+    let target_blocks = sm_count * PAGED_BLOCKS_PER_SM * 2;
+    let blocks = (tokens * blocks_per_token).max(1);
+    let splits = target_blocks
+        .div_ceil(blocks)
         .clamp(1, max_context.div_ceil(PAGED_MIN_SPLIT).max(1));
-    let split_len = max_context.div_ceil(splits).max(1).next_multiple_of(32);
+    let split_len = max_context.div_ceil(splits).max(1).next_multiple_of(64);
     (max_context.div_ceil(split_len).max(1), split_len)
 }
 
@@ -212,24 +232,35 @@ mod tests {
 
     #[test]
     fn paged_splits_fill_the_device_and_cover_the_context() {
-        // H100: 132 SMs. Decode of 256 sequences at 512 keys, 8 kv heads: two splits.
-        assert_eq!(paged_splits(256, 8, 512, 132), (2, 256));
-        // 64 sequences at 2048: eight splits of 256.
-        assert_eq!(paged_splits(64, 8, 2048, 132), (8, 256));
+        // H100: 132 SMs, 1,056 blocks in two waves. Decode of 256 sequences at 512 keys, 8
+        // kv heads: 2,048 blocks, no split.
+        assert_eq!(paged_splits(256, 8, 512, 132), (1, 512));
+        // 64 sequences at 2048: three splits.
+        assert_eq!(paged_splits(64, 8, 2048, 132), (3, 704));
         // One sequence at 32K: 128 splits of 256.
         assert_eq!(paged_splits(1, 8, 32768, 132), (128, 256));
         // Prefill of 4096 tokens: the tokens fill the device; one split.
         assert_eq!(paged_splits(4096, 8, 4096, 132), (1, 4096));
         // A context shorter than a chunk.
-        assert_eq!(paged_splits(1, 1, 5, 132), (1, 32));
+        assert_eq!(paged_splits(1, 1, 5, 132), (1, 64));
         for (tokens, ctx) in [(3, 1000), (100, 777), (1, 1), (7, 300)] {
             let (splits, len) = paged_splits(tokens, 2, ctx, 132);
-            assert_eq!(len % 32, 0);
+            assert_eq!(len % 64, 0);
             assert!(
                 splits * len >= ctx && (splits - 1) * len < ctx,
                 "{tokens} {ctx}"
             );
         }
+    }
+
+    #[test]
+    fn decode_kernels_hold_the_group_rounded_up() {
+        assert_eq!(paged_decode_kernel(128, 1), "paged_attention_d128_g2");
+        assert_eq!(paged_decode_kernel(128, 2), "paged_attention_d128_g2");
+        assert_eq!(paged_decode_kernel(128, 3), "paged_attention_d128_g4");
+        assert_eq!(paged_decode_kernel(64, 5), "paged_attention_d64_g8");
+        // Groups above 8 take several blocks of 8.
+        assert_eq!(paged_decode_kernel(32, 16), "paged_attention_d32_g8");
     }
 
     #[test]

@@ -95,6 +95,32 @@ impl Module {
     }
 }
 
+/// The kernel lab's hook: with `FLOE_CUDA_KERNELS=DIR` set, a module whose file is in
+/// `DIR` (e.g. `DIR/attention.cu`) compiles from there instead of the built-in source, so
+/// variants of a kernel are timed on a GPU without rebuilding floe. The built-in
+/// `common.cuh` stays; host code still launches the same kernel names and arguments.
+fn lab_source(module: Module) -> Result<std::borrow::Cow<'static, str>> {
+    let Some(dir) = std::env::var_os("FLOE_CUDA_KERNELS") else {
+        return Ok(module.source().into());
+    };
+    let path = std::path::Path::new(&dir).join(module.file_name());
+    match std::fs::read_to_string(&path) {
+        Ok(text) => {
+            eprintln!(
+                "floe: kernel lab: {} from {}",
+                module.file_name(),
+                path.display()
+            );
+            Ok(text.into())
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(module.source().into()),
+        Err(e) => Err(Error::Cuda(format!(
+            "FLOE_CUDA_KERNELS: {}: {e}",
+            path.display()
+        ))),
+    }
+}
+
 /// PTX per (module, architecture), shared by every backend of the process: NVRTC takes
 /// about a second per module, a module load a millisecond.
 fn ptx_cache() -> &'static Mutex<HashMap<(Module, &'static str), Ptx>> {
@@ -120,7 +146,7 @@ fn compile(module: Module, arch: &'static str) -> Result<Ptx> {
     if let Some(ptx) = cache.get(&(module, arch)) {
         return Ok(ptx.clone());
     }
-    let src = format!("{COMMON}\n{}", module.source());
+    let src = format!("{COMMON}\n{}", lab_source(module)?);
     let opts = CompileOptions {
         arch: Some(arch),
         name: Some(module.file_name().into()),

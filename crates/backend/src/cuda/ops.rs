@@ -72,12 +72,9 @@ fn attention_kernel(name: &'static str, head_dim: usize) -> &'static str {
         ("attention_backward_dkdv", 32) => "attention_backward_dkdv_d32",
         ("attention_backward_dkdv", 64) => "attention_backward_dkdv_d64",
         ("attention_backward_dkdv", _) => "attention_backward_dkdv_d128",
-        ("paged_prefill_attention", 32) => "paged_prefill_attention_d32",
-        ("paged_prefill_attention", 64) => "paged_prefill_attention_d64",
-        ("paged_prefill_attention", _) => "paged_prefill_attention_d128",
-        (_, 32) => "paged_attention_d32",
-        (_, 64) => "paged_attention_d64",
-        _ => "paged_attention_d128",
+        (_, 32) => "paged_prefill_attention_d32",
+        (_, 64) => "paged_prefill_attention_d64",
+        _ => "paged_prefill_attention_d128",
     }
 }
 
@@ -1076,10 +1073,10 @@ impl Backend for CudaBackend {
         };
         let token_list_arg = token_list.as_ref().map_or(Arg::Ptr(0), |l| self.p(l));
         let group = q_heads / kv_heads;
-        let warps_per_token = kv_heads * group.div_ceil(attention::PAGED_MAX_GROUP);
+        let blocks_per_token = kv_heads * group.div_ceil(attention::PAGED_MAX_GROUP);
         let (splits, split_len) = attention::paged_splits(
             decode_tokens,
-            warps_per_token,
+            blocks_per_token,
             layout.max_context,
             self.sm_count as usize,
         );
@@ -1117,13 +1114,9 @@ impl Backend for CudaBackend {
         args.extend([int(OP, "split_len", split_len)?, Arg::F32(scale)]);
         self.launch(
             Module::Attention,
-            attention_kernel("paged_attention", head_dim),
+            attention::paged_decode_kernel(head_dim, group),
             cfg(
-                (
-                    decode_tokens as u32,
-                    warps_per_token.div_ceil(attention::PAGED_WARPS) as u32,
-                    splits as u32,
-                ),
+                (decode_tokens as u32, blocks_per_token as u32, splits as u32),
                 32 * attention::PAGED_WARPS as u32,
             ),
             &args,

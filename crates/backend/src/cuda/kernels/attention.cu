@@ -630,159 +630,249 @@ __device__ void attention_backward_dkdv_impl(bf16_t* dk, bf16_t* dv, const bf16_
     }
 }
 
-// Paged attention over the KV cache, split over the context (flash-decoding). Version 3.
-// One warp per (query token, kv head, context split): the (up to 8) query heads of the
-// kv head's group share every K/V row the warp reads, so the cache is read once per kv
-// head, not once per query head. Keys are walked in chunks of 32, one key per lane for the
-// scores (the lane's K row arrives as D/8 16-byte loads, all issued before the dot
-// products); then every lane loads its D/32 dims of all 32 V rows (issued together,
-// unrolled) before accumulating P·V, so a chunk costs about one memory latency, not 32 as
-// in version 2's serial V walk. The softmax denominator stays per lane until the end (the
-// running max is warp-uniform, so rescaling commutes with the final warp sum).
-// With one split the warp writes `out`; otherwise it writes its unnormalised accumulator
-// and (max, sum) to `part_acc` / `part_ml`, and `paged_attention_combine` merges the
-// splits of each query head. Split boundaries are multiples of `split_len` keys, so a
-// token's result depends on its context and `split_len` only.
+// Paged attention over the KV cache for decode tokens (flash-decoding). Version 4.
+// A block of PAGED_WARPS warps takes one (query token, kv head, context split): the (up to
+// 8) query heads of the kv head's group share every K/V row the block reads, so the cache
+// is read once per kv head. The warps take turns over chunks of the split's keys and merge
+// their softmax states in shared memory at the end.
+// A K or V row of one kv head is D bf16 = D / 8 16-byte words, so a warp's load covers
+// 32 / (D / 8) rows whole, each lane one word: every load is coalesced (version 3 gave each
+// lane its own row, so a load touched 32 rows and used half of each 32-byte sector). A
+// chunk is NI such loads of K and of V, all issued before any arithmetic. A lane's partial
+// dot products over its 8 dims are summed over the row's lanes by a transposed butterfly
+// (each round halves the values a lane keeps), which leaves each key's score in a known
+// lane; the P·V step fetches it from there.
+// The running max is warp-uniform and the denominator stays per lane (counted once per key)
+// until the end. With one split the block writes `out`; otherwise it writes its
+// unnormalised accumulator and (max, sum) to `part_acc` / `part_ml`, and
+// `paged_attention_combine` merges the splits of each query head. Split boundaries are
+// multiples of `split_len` keys and the warps' turns are fixed, so a token's result depends
+// on its context and `split_len` only.
 // With `token_list` set, block x takes token token_list[x]: the call's long prefill runs
 // went to `paged_prefill_attention`.
-#define PAGED_WARPS 4  // kv heads per block
-#define PAGED_GMAX 8   // most query heads per kv head (Qwen3-32B: 64 / 8)
+#define PAGED_WARPS 4  // warps of a block, all on one (token, kv head, split)
+#define PAGED_GMAX 8   // most query heads per kv head a block takes (Qwen3-32B: 64 / 8)
 
-template <int D>
+// Sums each of N values over the L lanes of an aligned lane group (L a power of two) in
+// log2(L) shuffle rounds. While a lane holds more than one value, round m (m = L/2, L/4, ...)
+// keeps the upper half of them in lanes with bit m set and the lower half in the others, so
+// a lane ends with max(1, N / L) sums: the one of value i lives in the lane whose bits m
+// are set where i has the bit of that round's half (see `transposed_lane`).
+template <int N, int L>
+__device__ __forceinline__ void transposed_group_sum(float (&v)[N], int lane) {
+    int c = N;
+#pragma unroll
+    for (int m = L / 2; m >= 1; m >>= 1) {
+        if (c > 1) {
+            int half = c / 2;
+            bool up = lane & m;
+#pragma unroll
+            for (int j = 0; j < N / 2; ++j) {
+                if (j < half) {
+                    float send = up ? v[j] : v[j + half];
+                    float keep = up ? v[j + half] : v[j];
+                    v[j] = keep + __shfl_xor_sync(0xffffffffu, send, m);
+                }
+            }
+            c = half;
+        } else {
+            v[0] += __shfl_xor_sync(0xffffffffu, v[0], m);
+        }
+    }
+}
+
+// The lane (within its group) that holds the sum of value i after `transposed_group_sum`,
+// at index i % max(1, N / L); for `first = true`, the value index a lane's first sum has.
+template <int N, int L>
+__device__ __forceinline__ int transposed_lane(int i) {
+    int c = N, off = 0;
+#pragma unroll
+    for (int m = L / 2; m >= 1; m >>= 1) {
+        if (c > 1) {
+            c /= 2;
+            if (i & c) off += m;
+        }
+    }
+    return off;
+}
+template <int N, int L>
+__device__ __forceinline__ int transposed_first_index(int lane) {
+    int c = N, idx = 0;
+#pragma unroll
+    for (int m = L / 2; m >= 1; m >>= 1) {
+        if (c > 1) {
+            c /= 2;
+            if (lane & m) idx += c;
+        }
+    }
+    return idx;
+}
+
+// Eight bf16 (a 16-byte word) to floats.
+__device__ __forceinline__ void unpack8(const uint4& w, float (&f)[8]) {
+    u32 u[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        f[2 * i] = __uint_as_float(u[i] << 16);
+        f[2 * i + 1] = __uint_as_float(u[i] & 0xffff0000u);
+    }
+}
+
+// D: head dim; GM: query heads a block holds registers for (G <= GM are used).
+template <int D, int GM>
 __device__ void paged_attention_impl(bf16_t* out, float* part_acc, float* part_ml, const bf16_t* q,
                                      const bf16_t* k_cache, const bf16_t* v_cache, const u32* block_tables,
                                      const u32* token_seq, const u32* token_pos, const u32* token_list,
                                      int max_blocks, int block_size, int q_heads, int kv_heads, int split_len,
                                      float scale) {
-    constexpr int DL = D / 32;  // dims per lane in P·V
-    constexpr int DW = D / 8;   // 16-byte words per K row
-    __shared__ __align__(16) float qs[PAGED_WARPS][PAGED_GMAX][D];
+    constexpr int LPR = D / 8;               // lanes per row (one 16-byte word each)
+    constexpr int RPL = 32 / LPR;            // rows one warp load covers
+    constexpr int NI = 8;                    // loads of K (and of V) per chunk
+    constexpr int CHUNK = NI * RPL;          // keys per chunk
+    constexpr int VL = NI / LPR > 0 ? NI / LPR : 1;   // scores a lane holds after the sum
+    constexpr int DUP = LPR / NI > 0 ? LPR / NI : 1;  // lanes holding each score
+    __shared__ __align__(16) float s_q[GM][D];
+    __shared__ float s_acc[PAGED_WARPS][GM][D];
+    __shared__ float s_ml[PAGED_WARPS][GM][2];
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    // A group of more than PAGED_GMAX query heads is taken by several warps.
+    int row = lane / LPR, col = lane % LPR;  // the lane's row of a load and its word
+    // A group of more than PAGED_GMAX query heads is taken by several blocks.
     int group = q_heads / kv_heads, parts = (group + PAGED_GMAX - 1) / PAGED_GMAX;
-    int wi = blockIdx.y * PAGED_WARPS + warp;
-    if (wi >= kv_heads * parts) return;  // whole warp; no block-wide barrier below
-    int kvh = wi / parts, part = wi % parts;
-    int G = min(PAGED_GMAX, group - part * PAGED_GMAX);  // query heads of this warp
+    int kvh = blockIdx.y / parts, part = blockIdx.y % parts;
+    int G = min(PAGED_GMAX, group - part * PAGED_GMAX);  // query heads of this block
     // Token t of the call, or the listed one when the prefill kernel takes the others.
     int t = token_list ? (int)token_list[blockIdx.x] : blockIdx.x, split = blockIdx.z, nsplit = gridDim.z;
     u32 seq = token_seq[t], pos = token_pos[t];
     u32 k_lo = (u32)split * split_len;
-    if (k_lo > pos) return;
+    if (k_lo > pos) return;  // the whole block
     u32 k_hi = min(pos + 1, k_lo + (u32)split_len);
-    i64 head0 = (i64)kvh * group + part * PAGED_GMAX;  // the warp's first query head
+    i64 head0 = (i64)kvh * group + part * PAGED_GMAX;  // the block's first query head
     i64 q_row = (i64)t * q_heads + head0;
-    for (int i = lane; i < G * D; i += 32) qs[warp][i / D][i % D] = bf2f(q[q_row * D + i]) * scale * LOG2E;
-    __syncwarp();
+    // The query heads, pre-scaled for exp2, in shared memory: registers go to the K and V
+    // words in flight, and a lane reads its 8 dims of a head as two 16-byte words.
+    for (int i = threadIdx.x; i < G * D; i += blockDim.x) s_q[i / D][i % D] = bf2f(q[q_row * D + i]) * scale * LOG2E;
+    __syncthreads();
     const u32* table = block_tables + (i64)seq * max_blocks;
-    float acc[PAGED_GMAX][DL], m[PAGED_GMAX], l[PAGED_GMAX];
+    // Which keys' scores this lane holds after the sum, and whether it counts them in l.
+    int first = transposed_first_index<NI, LPR>(col);
+    bool counts = (col & (DUP - 1)) == 0;
+    float acc[GM][8], m[GM], l[GM];
 #pragma unroll
-    for (int h = 0; h < PAGED_GMAX; ++h) {
+    for (int h = 0; h < GM; ++h) {
         m[h] = NEG_INF;
         l[h] = 0.0f;
 #pragma unroll
-        for (int e = 0; e < DL; ++e) acc[h][e] = 0.0f;
+        for (int e = 0; e < 8; ++e) acc[h][e] = 0.0f;
     }
-    for (u32 c0 = k_lo; c0 < k_hi; c0 += 32) {
-        u32 key = c0 + lane;
-        bool valid = key < k_hi;
-        int n = (int)min(32u, k_hi - c0);
-        i64 base = 0;
-        if (valid) {
-            i64 slot = (i64)table[key / block_size] * block_size + key % block_size;
-            base = (slot * kv_heads + kvh) * D;
-        }
-        uint4 kw[DW];
-        const uint4* kp = (const uint4*)(k_cache + base);
+    for (u32 c0 = k_lo + warp * CHUNK; c0 < k_hi; c0 += PAGED_WARPS * CHUNK) {
+        uint4 kw[NI], vw[NI];
 #pragma unroll
-        for (int c = 0; c < DW; ++c) kw[c] = valid ? kp[c] : make_uint4(0, 0, 0, 0);
-        // V as raw bf16 pairs (DL / 2 words a key, or one bf16 at D = 32): half the
-        // registers of floats, converted once per key in the P·V loop.
-        constexpr int VW = DL >= 2 ? DL / 2 : 1;
-        u32 vw[32][VW];
-#pragma unroll
-        for (int j = 0; j < 32; ++j) {
-            i64 bj = __shfl_sync(0xffffffffu, base, j);
-            const bf16_t* vp = v_cache + bj + lane * DL;
-#pragma unroll
-            for (int w = 0; w < VW; ++w) vw[j][w] = 0u;
-            if (j < n) {
-                if constexpr (DL >= 2) {
-#pragma unroll
-                    for (int w = 0; w < VW; ++w) vw[j][w] = ((const u32*)vp)[w];
-                } else {
-                    vw[j][0] = (u32)*vp;
-                }
+        for (int i = 0; i < NI; ++i) {
+            u32 key = c0 + i * RPL + row;
+            kw[i] = vw[i] = make_uint4(0, 0, 0, 0);
+            if (key < k_hi) {
+                i64 slot = (i64)table[key / block_size] * block_size + key % block_size;
+                i64 off = (slot * kv_heads + kvh) * D + col * 8;
+                kw[i] = *(const uint4*)(k_cache + off);
+                vw[i] = *(const uint4*)(v_cache + off);
             }
         }
-        float p[PAGED_GMAX];
+        float p[GM][VL];
 #pragma unroll
-        for (int h = 0; h < PAGED_GMAX; ++h) {
-            p[h] = 0.0f;
+        for (int h = 0; h < GM; ++h) {
             if (h >= G) continue;
-            float s = 0.0f;
+            float qf[8], s[NI];
+            *(float4*)&qf[0] = *(const float4*)&s_q[h][col * 8];
+            *(float4*)&qf[4] = *(const float4*)&s_q[h][col * 8 + 4];
 #pragma unroll
-            for (int c = 0; c < DW; ++c) {
-                const float4* qq = (const float4*)&qs[warp][h][c * 8];
-                float4 a = qq[0], b = qq[1];
-                u32 w[4] = {kw[c].x, kw[c].y, kw[c].z, kw[c].w};
-                s = fmaf(a.x, __uint_as_float(w[0] << 16), s);
-                s = fmaf(a.y, __uint_as_float(w[0] & 0xffff0000u), s);
-                s = fmaf(a.z, __uint_as_float(w[1] << 16), s);
-                s = fmaf(a.w, __uint_as_float(w[1] & 0xffff0000u), s);
-                s = fmaf(b.x, __uint_as_float(w[2] << 16), s);
-                s = fmaf(b.y, __uint_as_float(w[2] & 0xffff0000u), s);
-                s = fmaf(b.z, __uint_as_float(w[3] << 16), s);
-                s = fmaf(b.w, __uint_as_float(w[3] & 0xffff0000u), s);
+            for (int i = 0; i < NI; ++i) {
+                float kf[8];
+                unpack8(kw[i], kf);
+                s[i] = 0.0f;
+#pragma unroll
+                for (int e = 0; e < 8; ++e) s[i] = fmaf(qf[e], kf[e], s[i]);
             }
-            s = valid ? s : NEG_INF;
-            float m_new = fmaxf(m[h], warp_max(s));
+            transposed_group_sum<NI, LPR>(s, lane);
+            float mx = NEG_INF;
+#pragma unroll
+            for (int j = 0; j < VL; ++j) {
+                bool valid = c0 + (u32)((first + j) * RPL + row) < k_hi;
+                s[j] = valid ? s[j] : NEG_INF;
+                mx = fmaxf(mx, s[j]);
+            }
+            float m_new = fmaxf(m[h], warp_max(mx));
             float corr = exp2f(m[h] - m_new);
-            p[h] = valid ? exp2f(s - m_new) : 0.0f;
-            l[h] = l[h] * corr + p[h];
+            float sum = 0.0f;
+#pragma unroll
+            for (int j = 0; j < VL; ++j) {
+                p[h][j] = exp2f(s[j] - m_new);  // 0 for the masked keys
+                sum += p[h][j];
+            }
+            l[h] = l[h] * corr + (counts ? sum : 0.0f);
             m[h] = m_new;
 #pragma unroll
-            for (int e = 0; e < DL; ++e) acc[h][e] *= corr;
+            for (int e = 0; e < 8; ++e) acc[h][e] *= corr;
         }
 #pragma unroll
-        for (int j = 0; j < 32; ++j) {
-            float vf[DL];
-            if constexpr (DL >= 2) {
+        for (int i = 0; i < NI; ++i) {
+            float vf[8];
+            unpack8(vw[i], vf);
+            int src = row * LPR + transposed_lane<NI, LPR>(i);
 #pragma unroll
-                for (int w = 0; w < VW; ++w) {
-                    vf[2 * w] = __uint_as_float(vw[j][w] << 16);
-                    vf[2 * w + 1] = __uint_as_float(vw[j][w] & 0xffff0000u);
-                }
-            } else {
-                vf[0] = __uint_as_float(vw[j][0] << 16);
-            }
-#pragma unroll
-            for (int h = 0; h < PAGED_GMAX; ++h) {
+            for (int h = 0; h < GM; ++h) {
                 if (h >= G) continue;
-                float pj = __shfl_sync(0xffffffffu, p[h], j);
+                float pi = __shfl_sync(0xffffffffu, p[h][i % VL], src);
 #pragma unroll
-                for (int e = 0; e < DL; ++e) acc[h][e] = fmaf(pj, vf[e], acc[h][e]);
+                for (int e = 0; e < 8; ++e) acc[h][e] = fmaf(pi, vf[e], acc[h][e]);
             }
         }
     }
+    // The rows of a load held different keys: sum them, then hand the warp's state to the
+    // block through shared memory (a warp without keys left m = -inf, l = 0, acc = 0).
 #pragma unroll
-    for (int h = 0; h < PAGED_GMAX; ++h) {
-        if (h >= G) break;
+    for (int h = 0; h < GM; ++h) {
+        if (h >= G) continue;
+#pragma unroll
+        for (int mask = LPR; mask < 32; mask <<= 1)
+#pragma unroll
+            for (int e = 0; e < 8; ++e) acc[h][e] += __shfl_xor_sync(0xffffffffu, acc[h][e], mask);
         float l_sum = warp_sum(l[h]);
-        i64 row = q_row + h;
-        if (nsplit == 1) {
-            float inv_l = 1.0f / l_sum;
+        if (lane < LPR)
 #pragma unroll
-            for (int e = 0; e < DL; ++e) out[row * D + lane * DL + e] = f2bf(acc[h][e] * inv_l);
-        } else {
-            // Partials are numbered by the block's token, listed or not.
-            i64 part = ((i64)blockIdx.x * q_heads + head0 + h) * nsplit + split;
+            for (int e = 0; e < 8; ++e) s_acc[warp][h][col * 8 + e] = acc[h][e];
+        if (lane == 0) {
+            s_ml[warp][h][0] = m[h];
+            s_ml[warp][h][1] = l_sum;
+        }
+    }
+    __syncthreads();
+    // Warp w merges query heads w, w + PAGED_WARPS, ...; the weights are relative to the
+    // largest max, the same arithmetic `paged_attention_combine` uses across splits.
+    for (int h = warp; h < G; h += PAGED_WARPS) {
+        float mx = NEG_INF;
 #pragma unroll
-            for (int e = 0; e < DL; ++e) part_acc[part * D + lane * DL + e] = acc[h][e];
-            if (lane == 0) {
-                part_ml[part * 2] = m[h];
-                part_ml[part * 2 + 1] = l_sum;
-            }
+        for (int w = 0; w < PAGED_WARPS; ++w) mx = fmaxf(mx, s_ml[w][h][0]);
+        float wt[PAGED_WARPS], l_sum = 0.0f;
+#pragma unroll
+        for (int w = 0; w < PAGED_WARPS; ++w) {
+            wt[w] = exp2f(s_ml[w][h][0] - mx);
+            l_sum += s_ml[w][h][1] * wt[w];
+        }
+        i64 r = q_row + h;
+        // Partials are numbered by the block's token, listed or not.
+        i64 pr = ((i64)blockIdx.x * q_heads + head0 + h) * nsplit + split;
+        for (int d = lane; d < D; d += 32) {
+            float o = 0.0f;
+#pragma unroll
+            for (int w = 0; w < PAGED_WARPS; ++w) o += s_acc[w][h][d] * wt[w];
+            if (nsplit == 1)
+                out[r * D + d] = f2bf(o / l_sum);
+            else
+                part_acc[pr * D + d] = o;
+        }
+        if (nsplit > 1 && lane == 0) {
+            part_ml[pr * 2] = mx;
+            part_ml[pr * 2 + 1] = l_sum;
         }
     }
 }
@@ -854,17 +944,26 @@ extern "C" __global__ void kv_cache_write(bf16_t* k_cache, bf16_t* v_cache, cons
         int q_heads, int kv_heads, float scale) {                                                           \
         paged_prefill_attention_impl<D>(out, q, k_cache, v_cache, block_tables, token_seq, token_pos, items, \
                                         max_blocks, block_size, q_heads, kv_heads, scale);                  \
-    }                                                                                                       \
-    extern "C" __global__ void paged_attention_d##D(                                                        \
-        bf16_t* out, float* part_acc, float* part_ml, const bf16_t* q, const bf16_t* k_cache,              \
-        const bf16_t* v_cache, const u32* block_tables, const u32* token_seq, const u32* token_pos,         \
-        const u32* token_list, int max_blocks, int block_size, int q_heads, int kv_heads, int split_len,    \
-        float scale) {                                                                                      \
-        paged_attention_impl<D>(out, part_acc, part_ml, q, k_cache, v_cache, block_tables, token_seq,      \
-                                token_pos, token_list, max_blocks, block_size, q_heads, kv_heads, split_len, \
-                                scale);                                                                     \
     }
 
 ATTENTION_INSTANCES(32)
 ATTENTION_INSTANCES(64)
 ATTENTION_INSTANCES(128)
+
+// Decode kernels per head dim and register-held group size (the host rounds the group up
+// to 2, 4 or 8), with the most registers that leave MINB blocks an SM without spills.
+#define PAGED_DECODE_INSTANCE(D, GM, MINB)                                                                    \
+    extern "C" __global__ void __launch_bounds__(32 * PAGED_WARPS, MINB) paged_attention_d##D##_g##GM(         \
+        bf16_t* out, float* part_acc, float* part_ml, const bf16_t* q, const bf16_t* k_cache,              \
+        const bf16_t* v_cache, const u32* block_tables, const u32* token_seq, const u32* token_pos,         \
+        const u32* token_list, int max_blocks, int block_size, int q_heads, int kv_heads, int split_len,    \
+        float scale) {                                                                                      \
+        paged_attention_impl<D, GM>(out, part_acc, part_ml, q, k_cache, v_cache, block_tables, token_seq,  \
+                                    token_pos, token_list, max_blocks, block_size, q_heads, kv_heads,       \
+                                    split_len, scale);                                                      \
+    }
+#define PAGED_DECODE_INSTANCES(D) \
+    PAGED_DECODE_INSTANCE(D, 2, 4) PAGED_DECODE_INSTANCE(D, 4, 3) PAGED_DECODE_INSTANCE(D, 8, 3)
+PAGED_DECODE_INSTANCES(32)
+PAGED_DECODE_INSTANCES(64)
+PAGED_DECODE_INSTANCES(128)
