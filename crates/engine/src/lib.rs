@@ -111,9 +111,9 @@ pub use packing::{
     RolloutGroup, TokenRef,
 };
 pub use sampler::{
-    sample_seed, CachedInput, CachedModel, Detokenizer, Generation, SampleError, SampleEvent,
-    SampleFlow, SampleProgress, SampleRequest, Sampler, SamplerConfig, SamplerStats,
-    SamplingParams,
+    sample_seed, CachedInput, CachedModel, Detokenizer, Generation, RequestIntake, SampleError,
+    SampleEvent, SampleFeed, SampleFlow, SampleProgress, SampleRequest, Sampler, SamplerConfig,
+    SamplerStats, SamplingParams,
 };
 pub use speculative::NgramSpec;
 pub use stop::{Stop, StopConditions, StopReason};

@@ -46,8 +46,8 @@ use crate::policy::{
     is_lora_state, OptimParams, OptimizerPlacement, Policy, StepOutcome, ADAPTER_DIR, MODEL_DIR,
 };
 use crate::sampler::{
-    Generation, SampleError, SampleEvent, SampleFlow, SampleRequest, Sampler, SamplerConfig,
-    SamplerStats,
+    Generation, SampleError, SampleEvent, SampleFeed, SampleFlow, SampleRequest, Sampler,
+    SamplerConfig, SamplerStats,
 };
 use crate::speculative::NgramSpec;
 // The two sides are named by path: in scope, their methods would clash with the
@@ -730,6 +730,12 @@ impl<B: Backend> Engine for LocalEngine<B> {
         })
     }
 
+    /// Takes requests mid-run: [`Sampler::run_feed`] polls `feed` before every step.
+    fn sample_joining(&mut self, feed: &mut dyn SampleFeed) -> Result<()> {
+        self.sampling_view()
+            .run(Vec::new(), |sampler, model| sampler.run_feed(model, feed))
+    }
+
     /// On two threads when [`LocalEngine::overlaps_sampling`]: the sampler generates from
     /// a second handle on the policy's weight buffers ([`Transformer::share_base_on`] the
     /// sampling queue, no copy) while `training` runs on this thread. The sampling queue
@@ -1215,6 +1221,10 @@ impl Engine for AnyLocalEngine {
         on_event: &mut dyn FnMut(SampleEvent<'_>) -> SampleFlow,
     ) -> Result<()> {
         dispatch!(self, e => e.sample_streaming(requests, on_event))
+    }
+
+    fn sample_joining(&mut self, feed: &mut dyn SampleFeed) -> Result<()> {
+        dispatch!(self, e => e.sample_joining(feed))
     }
 
     fn forward(

@@ -10,6 +10,12 @@
 //! ([`REMOTE_STATE_FILE`]); `load_state` sends the id back, so resuming needs the same
 //! server (its data folder). `export_hf` downloads the exported files.
 //!
+//! Samples: one `sample` call is one HTTP request, so the engine takes no requests while
+//! it runs; [`Engine::sample_streaming`] and [`Engine::sample_joining`] are the trait's
+//! defaults (finished samples only; one poll of the feed, its requests sampled as one
+//! call). The server batches the requests of concurrent callers itself, and there they
+//! join its engine's running batch.
+//!
 //! # A server restarted under a live run
 //! A server that does not answer connections (restarting) is waited for, up to
 //! [`RECONNECT_WAIT_ENV`] seconds (60 by default). A server that answers but no longer

@@ -9,6 +9,13 @@
 //! handed to a callback the moment they finish, so scoring can start while the rest
 //! still generate; [`Sampler::generate`] wraps it all into a blocking call.
 //!
+//! # Requests that join a running batch
+//! [`Sampler::run_feed`] asks a [`SampleFeed`] for new requests before every step (a
+//! server's clients that arrive while the batch runs): they queue behind the others and
+//! are admitted like any request, their prefill mixed into the next step, so a late
+//! request neither waits for the batch to end nor stalls it. A request the feed submits
+//! is checked on its own; a refused one is the feed's error alone, never the batch's.
+//!
 //! # Prefix sharing
 //! Samples that start together with one prompt (the samples of a request, and of the
 //! requests queued right behind it with the same prompt) share the KV of the prompt's
@@ -20,8 +27,9 @@
 //! Each sample draws token `i` with `(seed, offset = i)` from the backend's
 //! counter-based generator ([`floe_backend::SamplingRow`]), where the seed depends only
 //! on the request's `seed` and the sample's index. A sample's tokens therefore do not
-//! depend on what else is in the batch, on chunking or on preemption, as long as the
-//! model's logits for a row do not (exactly true on the CPU backend).
+//! depend on what else is in the batch, on chunking, on preemption or on the step a
+//! request joined a running batch at, as long as the model's logits for a row do not
+//! (exactly true on the CPU backend).
 //!
 //! # Speculative decoding
 //! With [`SamplerConfig::speculative`], a decoding sample that finds a prompt-lookup
@@ -210,6 +218,36 @@ pub enum SampleFlow {
     /// Stop every sample of the request now (its client is gone): they free their KV
     /// blocks and are never reported as finished.
     Cancel,
+}
+
+/// Where a running batch takes new requests: what [`SampleFeed::poll`] hands them to
+/// (the [`Sampler`] itself, between two of its steps).
+pub trait RequestIntake {
+    /// Checks `request` as [`Sampler::submit`] does, without queueing it: a caller with
+    /// several requests that must start together checks them all before submitting any.
+    fn check(&self, request: &SampleRequest) -> Result<(), SampleError>;
+    /// Queues `request` behind every request already submitted, after the same check as
+    /// [`Sampler::submit`]: a refused request is [`SampleError::InvalidRequest`] and
+    /// leaves the batch as it was.
+    fn submit(&mut self, request: SampleRequest) -> Result<(), SampleError>;
+}
+
+/// The caller of a run that takes requests while it runs ([`Sampler::run_feed`],
+/// [`crate::Engine::sample_joining`]): it hands over requests between steps and gets the
+/// run's events.
+pub trait SampleFeed {
+    /// Called before every step, the first included: submit to `intake` whatever should
+    /// join the batch now. A request submitted here is admitted by the same rules as one
+    /// submitted before the run (first come first served, as KV blocks, the running
+    /// sequence limit and the step's token budget allow), its prefill mixed into the next
+    /// step beside the running samples' decodes. The run ends after a poll that leaves
+    /// nothing unfinished.
+    fn poll(&mut self, intake: &mut dyn RequestIntake);
+    /// Whether the next step reports [`SampleEvent::Progress`] (asked before each step,
+    /// so a streaming request that joins can turn it on).
+    fn wants_progress(&self) -> bool;
+    /// Each event of the run, as [`Sampler::run_streaming`]'s `on_event`.
+    fn on_event(&mut self, event: SampleEvent<'_>) -> SampleFlow;
 }
 
 /// Sizes and limits of a [`Sampler`].
@@ -627,6 +665,23 @@ impl<M: CachedModel> Sampler<M> {
             self.step_inner(model, true, &mut |_, event| on_event(event))?;
         }
         Ok(())
+    }
+
+    /// Runs until `feed` stops handing over requests and every sample has finished,
+    /// polling it for new requests before each step (see [`SampleFeed`]); requests
+    /// submitted before the call run too. A request that joins mid-run samples exactly
+    /// the tokens it would sample alone: its random streams depend only on its seed and
+    /// sample index, never on the step it joined at (a request without a seed gets one
+    /// from the sampler's seed and its submission order, as with [`Sampler::submit`]).
+    pub fn run_feed(&mut self, model: &M, feed: &mut dyn SampleFeed) -> Result<(), SampleError> {
+        loop {
+            feed.poll(self);
+            if !self.has_unfinished() {
+                return Ok(());
+            }
+            let progress = feed.wants_progress();
+            self.step_inner(model, progress, &mut |_, event| feed.on_event(event))?;
+        }
     }
 
     /// One scheduling round and model call; each sample that finishes goes to
@@ -1269,6 +1324,16 @@ impl<M: CachedModel> Sampler<M> {
             self.requests.remove(&seq.request);
         }
         (seq.request, generation)
+    }
+}
+
+impl<M: CachedModel> RequestIntake for Sampler<M> {
+    fn check(&self, request: &SampleRequest) -> Result<(), SampleError> {
+        self.validate(request)
+    }
+
+    fn submit(&mut self, request: SampleRequest) -> Result<(), SampleError> {
+        Sampler::submit(self, request)
     }
 }
 

@@ -16,7 +16,9 @@ use floe_rl::AlgorithmConfig;
 use serde::{Deserialize, Serialize};
 
 use crate::policy::{OptimParams, StepOutcome};
-use crate::sampler::{Generation, SampleEvent, SampleFlow, SampleRequest};
+use crate::sampler::{
+    Generation, RequestIntake, SampleError, SampleEvent, SampleFeed, SampleFlow, SampleRequest,
+};
 
 /// What the loop needs to know about the engine's model.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -173,6 +175,35 @@ pub trait Engine {
             on_event(SampleEvent::Finished(generation));
         })
     }
+    /// A streaming sample that takes requests while it runs: before every engine step
+    /// the engine asks `feed` for more ([`SampleFeed::poll`]) and mixes their prefill into
+    /// the next step of its continuous batch, reports every request's events to `feed`
+    /// (progress when [`SampleFeed::wants_progress`]), and returns once a poll leaves
+    /// nothing unfinished. Each submitted request is checked on its own: a refused one is
+    /// an error of that submission, and the batch goes on. A joined request samples the
+    /// tokens it would sample alone (the sampler's determinism: a sample's random stream
+    /// depends on its request's seed and its index, not on when it joined).
+    ///
+    /// An engine that cannot take requests mid-run (the default, and so the remote
+    /// engine) polls `feed` once, accepting every request unchecked, and samples them as
+    /// one [`Engine::sample_streaming`] call (or [`Engine::sample`] when no progress is
+    /// wanted): later requests stay with the feed for the next call, and a request the
+    /// engine refuses fails the whole call.
+    fn sample_joining(&mut self, feed: &mut dyn SampleFeed) -> Result<(), Self::Error> {
+        let mut taken = TakeAll(Vec::new());
+        feed.poll(&mut taken);
+        let TakeAll(requests) = taken;
+        if requests.is_empty() {
+            return Ok(());
+        }
+        if feed.wants_progress() {
+            self.sample_streaming(requests, &mut |event| feed.on_event(event))
+        } else {
+            self.sample(requests, &mut |generation| {
+                feed.on_event(SampleEvent::Finished(generation));
+            })
+        }
+    }
     /// Per-token log-probs and entropies of each group's responses, in order.
     fn forward(
         &mut self,
@@ -217,6 +248,21 @@ pub trait Engine {
         Self: Sized,
     {
         Ok(one_after_the_other(self, sampling, training))
+    }
+}
+
+/// [`Engine::sample_joining`]'s one poll where the engine takes no requests mid-run:
+/// every request is taken as it is, to be checked when the engine samples them.
+struct TakeAll(Vec<SampleRequest>);
+
+impl RequestIntake for TakeAll {
+    fn check(&self, _request: &SampleRequest) -> Result<(), SampleError> {
+        Ok(())
+    }
+
+    fn submit(&mut self, request: SampleRequest) -> Result<(), SampleError> {
+        self.0.push(request);
+        Ok(())
     }
 }
 

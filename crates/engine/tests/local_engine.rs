@@ -8,7 +8,9 @@ use floe_backend::sampling::GAMMA;
 use floe_engine::policy::OptimParams;
 use floe_engine::{AnyLocalEngine, LocalEngineOptions, ModelSource};
 use floe_engine::{Engine, Loss, SequenceGroup, TokenOutputs, TrainGroup, TrainResponse, Weights};
-use floe_engine::{SampleRequest, SamplingParams};
+use floe_engine::{
+    Generation, RequestIntake, SampleEvent, SampleFeed, SampleFlow, SampleRequest, SamplingParams,
+};
 use floe_model::weights::HostTensor;
 use floe_rl::AlgorithmConfig;
 
@@ -413,4 +415,187 @@ fn overlap_samples_and_trains_as_the_verbs_do_one_after_the_other() {
     assert_eq!(weights(&together), weights(&apart));
     // The sampler came back: a plain sample call works after the overlap.
     together.sample(sample_requests(), &mut |_| {}).unwrap();
+}
+
+/// Hands `late[k]` to the engine at its `k`-th poll and keeps what comes back.
+struct LateRequests {
+    late: Vec<Vec<SampleRequest>>,
+    polls: usize,
+    refused: Vec<String>,
+    finished: Vec<Generation>,
+    progress_reports: usize,
+}
+
+impl SampleFeed for LateRequests {
+    fn poll(&mut self, intake: &mut dyn RequestIntake) {
+        for request in self
+            .late
+            .get_mut(self.polls)
+            .map(std::mem::take)
+            .unwrap_or_default()
+        {
+            if let Err(error) = intake.submit(request) {
+                self.refused.push(error.to_string());
+            }
+        }
+        self.polls += 1;
+    }
+
+    fn wants_progress(&self) -> bool {
+        true
+    }
+
+    fn on_event(&mut self, event: SampleEvent<'_>) -> SampleFlow {
+        match event {
+            SampleEvent::Progress(_) => self.progress_reports += 1,
+            SampleEvent::Finished(generation) => self.finished.push(generation),
+        }
+        SampleFlow::Continue
+    }
+}
+
+/// Requests handed to a running `sample_joining` call join its batch between steps and
+/// sample the tokens each samples alone (log-probs up to the rounding of steps with other
+/// row counts); one the engine refuses fails alone.
+#[test]
+fn requests_joining_a_running_sample_call_sample_as_alone() {
+    let mut engine = engine(4096, 4);
+    let requests = sample_requests();
+    let mut alone = Vec::new();
+    for request in &requests {
+        engine
+            .sample(vec![request.clone()], &mut |g| alone.push(g))
+            .unwrap();
+    }
+    let mut bad = requests[1].clone();
+    bad.id = 7;
+    bad.prompt.push(100_000);
+    let mut feed = LateRequests {
+        late: vec![
+            vec![requests[0].clone()],
+            vec![],
+            vec![],
+            vec![bad, requests[1].clone()],
+        ],
+        polls: 0,
+        refused: Vec::new(),
+        finished: Vec::new(),
+        progress_reports: 0,
+    };
+    engine.sample_joining(&mut feed).unwrap();
+    assert!(
+        feed.polls > 4,
+        "the call ended before the late requests joined"
+    );
+    assert_eq!(feed.refused.len(), 1, "{:?}", feed.refused);
+    assert!(
+        feed.refused[0].contains("sample request 7") && feed.refused[0].contains("vocabulary"),
+        "{:?}",
+        feed.refused
+    );
+    assert!(feed.progress_reports > 0);
+    let key = |g: &Generation| (g.request_id, g.sample_index);
+    feed.finished.sort_by_key(key);
+    alone.sort_by_key(key);
+    assert_eq!(feed.finished.len(), alone.len());
+    for (joined, alone) in feed.finished.iter().zip(&alone) {
+        assert_eq!(
+            (joined.request_id, joined.sample_index, &joined.tokens),
+            (alone.request_id, alone.sample_index, &alone.tokens)
+        );
+        for (a, b) in joined.logprobs.iter().zip(&alone.logprobs) {
+            assert!((a - b).abs() < 1e-5, "{a} vs {b}");
+        }
+    }
+}
+
+/// An engine that takes no requests mid-run: the [`Engine`] trait's own `sample_joining`
+/// over a local engine's verbs (as the remote engine has it).
+struct NoJoins(AnyLocalEngine);
+
+impl Engine for NoJoins {
+    type Error = floe_engine::Error;
+
+    fn info(&self) -> &floe_engine::EngineInfo {
+        self.0.info()
+    }
+    fn sample(
+        &mut self,
+        requests: Vec<SampleRequest>,
+        on_generation: &mut dyn FnMut(Generation),
+    ) -> floe_engine::Result<()> {
+        self.0.sample(requests, on_generation)
+    }
+    fn sample_streaming(
+        &mut self,
+        requests: Vec<SampleRequest>,
+        on_event: &mut dyn FnMut(SampleEvent<'_>) -> SampleFlow,
+    ) -> floe_engine::Result<()> {
+        self.0.sample_streaming(requests, on_event)
+    }
+    fn forward(
+        &mut self,
+        groups: &[SequenceGroup],
+        weights: Weights,
+        temperature: f32,
+    ) -> floe_engine::Result<Vec<Vec<TokenOutputs>>> {
+        self.0.forward(groups, weights, temperature)
+    }
+    fn forward_backward(
+        &mut self,
+        groups: &[TrainGroup],
+        loss: &Loss,
+        temperature: f32,
+    ) -> floe_engine::Result<floe_engine::ForwardBackwardOutput> {
+        self.0.forward_backward(groups, loss, temperature)
+    }
+    fn optim_step(
+        &mut self,
+        params: &OptimParams,
+    ) -> floe_engine::Result<floe_engine::policy::StepOutcome> {
+        self.0.optim_step(params)
+    }
+    fn sync_sampler_weights(&mut self) -> floe_engine::Result<std::time::Duration> {
+        self.0.sync_sampler_weights()
+    }
+    fn freeze_reference(&mut self) -> floe_engine::Result<()> {
+        self.0.freeze_reference()
+    }
+    fn reset_optimizer(&mut self) -> floe_engine::Result<()> {
+        self.0.reset_optimizer()
+    }
+    fn save_state(&mut self, dir: &std::path::Path) -> floe_engine::Result<()> {
+        self.0.save_state(dir)
+    }
+    fn load_state(&mut self, dir: &std::path::Path) -> floe_engine::Result<()> {
+        self.0.load_state(dir)
+    }
+    fn export_hf(&mut self, dir: &std::path::Path) -> floe_engine::Result<()> {
+        self.0.export_hf(dir)
+    }
+}
+
+/// Without joins, `sample_joining` polls once and samples what that poll handed over as
+/// one call: the same samples as `sample`; later requests stay with the caller.
+#[test]
+fn an_engine_without_joins_samples_one_poll_as_one_call() {
+    let mut engine = NoJoins(engine(4096, 4));
+    let mut alone = Vec::new();
+    engine
+        .sample(sample_requests(), &mut |g| alone.push(g))
+        .unwrap();
+    let mut feed = LateRequests {
+        late: vec![sample_requests(), sample_requests()],
+        polls: 0,
+        refused: Vec::new(),
+        finished: Vec::new(),
+        progress_reports: 0,
+    };
+    engine.sample_joining(&mut feed).unwrap();
+    assert_eq!(feed.polls, 1);
+    assert!(feed.progress_reports > 0, "progress, as the feed wants");
+    let key = |g: &Generation| (g.request_id, g.sample_index);
+    feed.finished.sort_by_key(key);
+    alone.sort_by_key(key);
+    assert_eq!(feed.finished, alone);
 }

@@ -10,8 +10,9 @@ use floe_backend::cpu::CpuBackend;
 use floe_backend::sampling::mix64;
 use floe_backend::{Backend, BufKind, SamplingRow};
 use floe_engine::{
-    sample_seed, CachedInput, CachedModel, Generation, NgramSpec, SampleError, SampleEvent,
-    SampleFlow, SampleRequest, Sampler, SamplerConfig, SamplingParams, Stop, StopReason,
+    sample_seed, CachedInput, CachedModel, Generation, NgramSpec, RequestIntake, SampleError,
+    SampleEvent, SampleFeed, SampleFlow, SampleRequest, Sampler, SamplerConfig, SamplingParams,
+    Stop, StopReason,
 };
 
 const VOCAB: usize = 64;
@@ -632,4 +633,175 @@ fn unservable_requests_are_rejected() {
     let mut out = Vec::new();
     sampler.run(&model, &mut |g| out.push(g)).unwrap();
     assert_eq!(out, reference(&request(1, 9, 1, 8)));
+}
+
+/// A [`SampleFeed`] that submits `late[k]` at its `k`-th poll (the first poll comes before
+/// the first step) and records what the run reports.
+struct ScriptedFeed {
+    late: Vec<Vec<SampleRequest>>,
+    polls: usize,
+    /// Progress reports start at this poll.
+    progress_from: usize,
+    /// The poll each request joined at, by id.
+    joined_at: HashMap<u64, usize>,
+    /// The poll before which each request's first event came, by id.
+    first_event_at: HashMap<u64, usize>,
+    refused: Vec<SampleError>,
+    finished: Vec<Generation>,
+}
+
+impl ScriptedFeed {
+    fn new(late: Vec<Vec<SampleRequest>>) -> Self {
+        Self {
+            late,
+            polls: 0,
+            progress_from: 0,
+            joined_at: HashMap::new(),
+            first_event_at: HashMap::new(),
+            refused: Vec::new(),
+            finished: Vec::new(),
+        }
+    }
+}
+
+impl SampleFeed for ScriptedFeed {
+    fn poll(&mut self, intake: &mut dyn RequestIntake) {
+        for request in self
+            .late
+            .get_mut(self.polls)
+            .map(std::mem::take)
+            .unwrap_or_default()
+        {
+            let id = request.id;
+            match intake.check(&request).and_then(|()| intake.submit(request)) {
+                Ok(()) => {
+                    self.joined_at.insert(id, self.polls);
+                }
+                Err(error) => self.refused.push(error),
+            }
+        }
+        self.polls += 1;
+    }
+
+    fn wants_progress(&self) -> bool {
+        self.polls > self.progress_from
+    }
+
+    fn on_event(&mut self, event: SampleEvent<'_>) -> SampleFlow {
+        let id = match &event {
+            SampleEvent::Progress(p) => p.request_id,
+            SampleEvent::Finished(g) => g.request_id,
+        };
+        self.first_event_at.entry(id).or_insert(self.polls);
+        if let SampleEvent::Finished(g) = event {
+            self.finished.push(g);
+        }
+        SampleFlow::Continue
+    }
+}
+
+/// Requests handed to a running batch between its steps (several at one poll, one with
+/// the prompt of a running request, some after others finished) sample exactly what each
+/// samples alone, in caches small enough to preempt and with speculative decoding, and
+/// their first events come after they joined, within one run.
+#[test]
+fn requests_that_join_a_running_batch_sample_as_alone() {
+    let model = ContextHashModel::default();
+    let requests = mixed_requests();
+    let mut twin = request(20, 0, 2, 12);
+    twin.prompt = requests[1].prompt.clone();
+    let late = || {
+        let mut late = vec![Vec::new(); 21];
+        late[0] = requests[..3].to_vec();
+        late[2] = vec![requests[3].clone(), requests[4].clone()];
+        late[3] = vec![twin.clone()];
+        late[5] = requests[5..8].to_vec();
+        late[12] = vec![requests[8].clone()];
+        late[20] = vec![requests[9].clone()];
+        late
+    };
+    let mut expected: Vec<Generation> =
+        requests.iter().chain([&twin]).flat_map(reference).collect();
+    expected.sort_by_key(|g| (g.request_id, g.sample_index));
+    let speculative = SamplerConfig {
+        speculative: Some(NgramSpec::with_max_draft(4)),
+        ..config(64, 4, 32)
+    };
+    for config in [
+        config(256, 4, 64),
+        config(24, 4, 16),
+        config(40, 2, 5),
+        speculative,
+    ] {
+        let mut sampler = Sampler::new(&model, config.clone())
+            .unwrap()
+            .with_detokenizer(Box::new(detokenize));
+        let mut feed = ScriptedFeed::new(late());
+        feed.progress_from = 4;
+        sampler.run_feed(&model, &mut feed).unwrap();
+
+        assert!(feed.refused.is_empty(), "{:?}", feed.refused);
+        assert_eq!(
+            feed.joined_at.len(),
+            requests.len() + 1,
+            "every request joined"
+        );
+        // Request 8 joined while the first ones were running: mid-run, not after.
+        assert!(feed.first_event_at[&0] <= feed.joined_at[&8]);
+        for (id, joined) in &feed.joined_at {
+            assert!(
+                feed.first_event_at[id] > *joined,
+                "request {id} reported before it joined"
+            );
+        }
+        feed.finished
+            .sort_by_key(|g| (g.request_id, g.sample_index));
+        assert_eq!(feed.finished, expected, "{config:?}");
+        assert!(!sampler.has_unfinished());
+        assert_eq!(sampler.free_blocks(), config.num_blocks);
+    }
+}
+
+/// A request the engine refuses mid-run is refused alone: the batch goes on and every
+/// other request samples as alone, the refused one leaving no trace.
+#[test]
+fn a_refused_late_request_fails_alone() {
+    let model = ContextHashModel::default();
+    let requests = mixed_requests();
+    let mut bad_top_p = request(30, 4, 2, 8);
+    bad_top_p.params.top_p = 0.0;
+    let too_long = request(31, 3, 1, 10_000);
+    let mut late = vec![Vec::new(); 4];
+    late[0] = requests[..2].to_vec();
+    late[3] = vec![
+        requests[2].clone(),
+        bad_top_p,
+        requests[3].clone(),
+        too_long,
+    ];
+    let mut sampler = Sampler::new(&model, config(24, 4, 16))
+        .unwrap()
+        .with_detokenizer(Box::new(detokenize));
+    let mut feed = ScriptedFeed::new(late);
+    sampler.run_feed(&model, &mut feed).unwrap();
+
+    let refused: Vec<(u64, String)> = feed
+        .refused
+        .iter()
+        .map(|e| match e {
+            SampleError::InvalidRequest { id, reason } => (*id, reason.clone()),
+            other => panic!("expected a refusal, got {other:?}"),
+        })
+        .collect();
+    assert_eq!(refused.len(), 2, "{refused:?}");
+    assert_eq!(refused[0].0, 30);
+    assert!(refused[0].1.contains("top_p"), "{refused:?}");
+    assert_eq!(refused[1].0, 31);
+    assert!(refused[1].1.contains("KV blocks"), "{refused:?}");
+    assert_eq!(feed.joined_at[&3], 3);
+    feed.finished
+        .sort_by_key(|g| (g.request_id, g.sample_index));
+    let expected: Vec<Generation> = requests[..4].iter().flat_map(reference).collect();
+    assert_eq!(feed.finished, expected);
+    assert_eq!(sampler.free_blocks(), 24);
 }

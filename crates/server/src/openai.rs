@@ -557,6 +557,9 @@ impl SampleSink for OpenAiSample {
         }
     }
 
+    /// A training model's sampler synced to its latest weights. Not needed by a job that
+    /// joins a running batch ([`SampleSink::needs_prepare`] is false): that batch already
+    /// samples the latest weights, since no verb runs while it does.
     fn prepare(&mut self, engine: &mut AnyLocalEngine) -> Result<(), SampleFailure> {
         if self.training {
             engine.sync_sampler_weights().map_err(|e| SampleFailure {

@@ -930,6 +930,11 @@ impl SampleSink for TinkerSample {
         Ok(())
     }
 
+    /// Only for prompt log-probs: such a job starts a batch rather than joining one.
+    fn needs_prepare(&self) -> bool {
+        self.scored_prompt.is_some()
+    }
+
     fn generation(&mut self, generation: Generation) {
         self.generations.push(generation);
     }

@@ -1,8 +1,9 @@
 //! One engine per thread. A [`Worker`] owns an [`AnyLocalEngine`] on its own OS thread
 //! (the engine and its device stay on one thread, and a slow verb never blocks the HTTP
 //! runtime) and runs jobs in the order they are sent, completing each job's future.
-//! Sample jobs queued back to back run as one batch ([`crate::sample_batch`]); no job
-//! passes another verb.
+//! Sample jobs run as one batch ([`crate::sample_batch`]): those queued back to back when
+//! it starts, and those queued while it runs, which join the engine's running batch at
+//! its next step; no job passes another verb.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -14,7 +15,7 @@ use floe_model::tokenizer::Tokenizer;
 
 use crate::futures::{Futures, Outcome};
 use crate::sample_batch::{
-    run_batch, BatchSize, SampleBatchLimits, SampleFailure, SampleJob, SampleStats,
+    run_batch, JobQueue, SampleBatchLimits, SampleFailure, SampleJob, SampleStats,
 };
 
 /// Work for an engine; returns the outcome of its future.
@@ -49,8 +50,32 @@ pub enum QueueError {
 enum Task {
     /// Runs alone.
     Verb(u64, Job),
-    /// Joins the sample jobs queued right behind it.
+    /// Runs in a batch with the sample jobs queued around it.
     Sample(u64, SampleJob),
+}
+
+/// The worker's queue: the task taken from the channel but not yet run, then the channel.
+struct Queue<'a> {
+    receiver: &'a mpsc::Receiver<Task>,
+    front: &'a mut Option<Task>,
+}
+
+impl JobQueue for Queue<'_> {
+    fn take_sample_if(
+        &mut self,
+        accept: &mut dyn FnMut(&SampleJob) -> bool,
+    ) -> Option<(u64, SampleJob)> {
+        if self.front.is_none() {
+            *self.front = self.receiver.try_recv().ok();
+        }
+        match self.front.take() {
+            Some(Task::Sample(id, job)) if accept(&job) => Some((id, job)),
+            other => {
+                *self.front = other;
+                None
+            }
+        }
+    }
 }
 
 /// What every worker of a server shares.
@@ -129,34 +154,27 @@ impl Worker {
                 futures.complete(id, outcome);
                 counter.fetch_sub(1, Ordering::Relaxed);
             };
-            // A task taken from the queue while a batch formed, which runs next.
-            let mut next: Option<Task> = None;
+            // A task taken from the channel but left for later by a batch, which runs next.
+            let mut front: Option<Task> = None;
             let mut next_sample_id = 0;
-            while let Some(task) = next.take().or_else(|| receiver.recv().ok()) {
+            while let Some(task) = front.take().or_else(|| receiver.recv().ok()) {
                 match task {
                     Task::Verb(id, job) => {
                         let outcome = catch_unwind(AssertUnwindSafe(|| job(&mut engine)))
                             .unwrap_or_else(|_| Outcome::server_error("the engine panicked"));
                         done(id, outcome);
                     }
-                    Task::Sample(id, job) => {
-                        let mut size = BatchSize::default();
-                        size.admit(&job, &batch_limits);
-                        let mut batch = vec![(id, job)];
-                        while let Ok(task) = receiver.try_recv() {
-                            match task {
-                                Task::Sample(id, job) if size.admit(&job, &batch_limits) => {
-                                    batch.push((id, job));
-                                }
-                                other => {
-                                    next = Some(other);
-                                    break;
-                                }
-                            }
-                        }
+                    sample @ Task::Sample(..) => {
+                        // The batch takes it, and the sample jobs behind it, from the front.
+                        front = Some(sample);
+                        let mut queue = Queue {
+                            receiver: &receiver,
+                            front: &mut front,
+                        };
                         run_batch(
                             &mut engine,
-                            batch,
+                            &mut queue,
+                            batch_limits,
                             &mut next_sample_id,
                             &sample_stats,
                             &mut done,
@@ -186,7 +204,8 @@ impl Worker {
     }
 
     /// Queues sample `job` for future `id`, after every job sent before it; it runs in
-    /// one batch with the sample jobs queued right behind it.
+    /// the engine's batch with the sample jobs queued around it, joining a batch that is
+    /// running when it arrives (unless a verb is queued before it).
     pub fn send_sample(&self, id: u64, job: SampleJob) -> Result<(), QueueError> {
         self.enqueue(Task::Sample(id, job))
     }

@@ -1,7 +1,8 @@
-//! Concurrent sample requests on one engine run as one engine call: the worker level
-//! (a verb holds the engine while jobs queue, so the batches are exact), then the
-//! Tinker, native and OpenAI routes over HTTP. Seeded samples equal those of requests run
-//! one at a time; a cancelled or refused request fails alone.
+//! Concurrent sample requests on one engine run as one engine call, those sent while it
+//! runs joining it between steps: the worker level (a verb holds the engine while jobs
+//! queue, or a sink queues jobs from the engine thread mid-batch, so the batches are
+//! exact), then the Tinker, native and OpenAI routes over HTTP. Seeded samples equal
+//! those of requests run one at a time; a cancelled or refused request fails alone.
 
 mod common;
 
@@ -19,6 +20,12 @@ use floe_server::worker::{open_engine, Worker, WorkerContext};
 use prost::Message;
 use serde_json::{json, Value};
 
+/// A job queued by [`WorkerRig::queue_later`]: a sample job or a logged verb.
+enum Later {
+    Sample(Recorder, Vec<SampleRequest>),
+    Verb(String),
+}
+
 /// What the worker test's sinks and verbs did, in order.
 type Log = Arc<Mutex<Vec<String>>>;
 
@@ -30,9 +37,39 @@ struct Recorder {
     log: Log,
     generations: Vec<Generation>,
     done: mpsc::Sender<(usize, JobResult)>,
+    /// Asks for progress reports.
+    streams: bool,
+    /// Runs on the engine thread at the first progress report, mid-batch.
+    on_progress: Option<Box<dyn FnOnce() + Send>>,
+    /// Has a preparation that must run before it samples.
+    needs_prepare: bool,
 }
 
 impl SampleSink for Recorder {
+    fn prepare(&mut self, _engine: &mut floe_engine::AnyLocalEngine) -> Result<(), SampleFailure> {
+        if self.needs_prepare {
+            self.log
+                .lock()
+                .unwrap()
+                .push(format!("prepare {}", self.job));
+        }
+        Ok(())
+    }
+
+    fn needs_prepare(&self) -> bool {
+        self.needs_prepare
+    }
+
+    fn streams(&self) -> bool {
+        self.streams
+    }
+
+    fn progress(&mut self, _progress: floe_engine::SampleProgress<'_>) {
+        if let Some(queue) = self.on_progress.take() {
+            queue();
+        }
+    }
+
     fn generation(&mut self, generation: Generation) {
         self.log
             .lock()
@@ -98,7 +135,7 @@ fn job_requests(job: usize) -> Vec<SampleRequest> {
 }
 
 struct WorkerRig {
-    worker: Worker,
+    worker: Arc<Worker>,
     futures: Arc<Futures>,
     stats: Arc<SampleStats>,
     log: Log,
@@ -124,7 +161,7 @@ impl WorkerRig {
             sample_stats: Arc::clone(&stats),
         };
         let build = Box::new(move || open_engine(base.source, base.tokenizer, options));
-        let worker = Worker::spawn("test engine".into(), build, None, &context).unwrap();
+        let worker = Arc::new(Worker::spawn("test engine".into(), build, None, &context).unwrap());
         let (done, results) = mpsc::channel();
         Self {
             worker,
@@ -150,12 +187,20 @@ impl WorkerRig {
     }
 
     fn verb(&self, name: &str) {
-        let (log, name) = (Arc::clone(&self.log), name.to_string());
-        let job = Box::new(move |_: &mut floe_engine::AnyLocalEngine| {
-            log.lock().unwrap().push(name);
-            Outcome::Json(Value::Null)
-        });
-        self.worker.send(self.futures.issue(), job).unwrap();
+        self.queue_later(vec![Later::Verb(name.to_string())])();
+    }
+
+    /// A sink that records job `job`.
+    fn recorder(&self, job: usize) -> Recorder {
+        Recorder {
+            job,
+            log: Arc::clone(&self.log),
+            generations: Vec::new(),
+            done: self.done.clone(),
+            streams: false,
+            on_progress: None,
+            needs_prepare: false,
+        }
     }
 
     /// Queues job `job` with `requests`; returns its future.
@@ -165,12 +210,16 @@ impl WorkerRig {
         requests: Vec<SampleRequest>,
         cancel: Option<CancelTicket>,
     ) -> u64 {
-        let sink = Recorder {
-            job,
-            log: Arc::clone(&self.log),
-            generations: Vec::new(),
-            done: self.done.clone(),
-        };
+        self.sample_into(self.recorder(job), requests, cancel)
+    }
+
+    /// Queues `requests` for `sink`; returns its future.
+    fn sample_into(
+        &self,
+        sink: Recorder,
+        requests: Vec<SampleRequest>,
+        cancel: Option<CancelTicket>,
+    ) -> u64 {
         let id = self.futures.issue();
         let job = SampleJob {
             requests,
@@ -179,6 +228,45 @@ impl WorkerRig {
         };
         self.worker.send_sample(id, job).unwrap();
         id
+    }
+
+    /// What queues `later` in order when called (from any thread).
+    fn queue_later(&self, later: Vec<Later>) -> Box<dyn FnOnce() + Send> {
+        let (worker, futures, log) = (
+            Arc::clone(&self.worker),
+            Arc::clone(&self.futures),
+            Arc::clone(&self.log),
+        );
+        let tasks: Vec<_> = later
+            .into_iter()
+            .map(|later| match later {
+                Later::Sample(sink, requests) => {
+                    let job = SampleJob {
+                        requests,
+                        cancel: None,
+                        sink: Box::new(sink),
+                    };
+                    Err((futures.issue(), job))
+                }
+                Later::Verb(name) => {
+                    let log = Arc::clone(&log);
+                    let job: floe_server::worker::Job =
+                        Box::new(move |_: &mut floe_engine::AnyLocalEngine| {
+                            log.lock().unwrap().push(name);
+                            Outcome::Json(Value::Null)
+                        });
+                    Ok((futures.issue(), job))
+                }
+            })
+            .collect();
+        Box::new(move || {
+            for task in tasks {
+                match task {
+                    Ok((id, job)) => worker.send(id, job).unwrap(),
+                    Err((id, job)) => worker.send_sample(id, job).unwrap(),
+                }
+            }
+        })
     }
 
     /// The results of `count` jobs, by job.
@@ -282,11 +370,11 @@ fn queued_sample_jobs_run_as_one_engine_call_without_passing_a_verb() {
     rig.sync();
     let log = rig.log.lock().unwrap().clone();
 
-    // Two batches: the jobs before the verb, then those after it (one engine call more
-    // for the refused request, which fails alone).
+    // Two batches, one engine call each: the jobs before the verb, then those after it
+    // (the refused request fails alone, the rest of its batch unchanged).
     let stats = rig.stats.snapshot();
     assert_eq!((stats.batches, stats.jobs), (2, 8), "{stats:?}");
-    assert_eq!(stats.engine_calls, 3, "{stats:?}");
+    assert_eq!(stats.engine_calls, 2, "{stats:?}");
     let verb = position(&log, "optim_step");
     for job in [0, 1, 2, 3] {
         assert!(position(&log, &format!("done {job}")) < verb, "{log:?}");
@@ -310,8 +398,10 @@ fn queued_sample_jobs_run_as_one_engine_call_without_passing_a_verb() {
     }
 }
 
+/// A batch holds jobs of at most its limits unanswered: the others wait in arrival order
+/// at the front of the queue and join as the batch's jobs are answered.
 #[test]
-fn a_batch_stops_at_its_limits_and_serves_jobs_in_arrival_order() {
+fn a_batch_stays_within_its_limits_and_takes_jobs_as_room_frees() {
     let limits = SampleBatchLimits {
         max_samples: 4,
         max_tokens: usize::MAX,
@@ -331,11 +421,97 @@ fn a_batch_stops_at_its_limits_and_serves_jobs_in_arrival_order() {
     rig.sync();
     let log = rig.log.lock().unwrap().clone();
     let stats = rig.stats.snapshot();
-    // 2 + 2 samples fill a batch; job 4 runs in a third.
-    assert_eq!((stats.batches, stats.jobs), (3, 5), "{stats:?}");
-    let first_sample = |job: usize| position(&log, &format!("sample {job}"));
-    assert!(position(&log, "done 1") < first_sample(2), "{log:?}");
-    assert!(position(&log, "done 3") < first_sample(4), "{log:?}");
+    // 2 + 2 samples fill the batch; each later job joins once a job is answered, before
+    // the batch could end.
+    assert_eq!((stats.batches, stats.jobs), (1, 5), "{stats:?}");
+    assert_eq!(stats.joined_jobs, 3, "{stats:?}");
+    for job in 2..5 {
+        let first_sample = position(&log, &format!("sample {job}"));
+        let done_before = (0..job)
+            .filter(|j| position(&log, &format!("done {j}")) < first_sample)
+            .count();
+        assert!(
+            done_before + 1 >= job,
+            "job {job} ran beside two others: {log:?}"
+        );
+    }
+}
+
+/// Jobs queued while a batch runs (from the engine thread, at its first job's first
+/// progress report, so they are queued before the engine's next step) join it: one
+/// samples as alone and one the engine refuses fails alone, while the batch goes on. A
+/// job that must prepare on the engine, and the job behind it, start the next batch
+/// instead; so does a job queued behind a verb, which runs after the verb.
+#[test]
+fn sample_jobs_queued_while_a_batch_runs_join_it_but_never_pass_a_verb() {
+    let rig = WorkerRig::new(SampleBatchLimits::default());
+    let release = rig.hold();
+    let mut refused = job_requests(2);
+    refused[0].params.top_p = 0.0;
+    let needs_prepare = Recorder {
+        needs_prepare: true,
+        ..rig.recorder(3)
+    };
+    let first = Recorder {
+        streams: true,
+        on_progress: Some(rig.queue_later(vec![
+            Later::Sample(rig.recorder(1), job_requests(1)),
+            Later::Sample(rig.recorder(2), refused),
+            Later::Sample(needs_prepare, job_requests(3)),
+            Later::Sample(rig.recorder(4), job_requests(4)),
+        ])),
+        ..rig.recorder(0)
+    };
+    rig.sample_into(first, job_requests(0), None);
+    release.send(()).unwrap();
+    let joined = rig.results(5);
+    rig.sync();
+
+    let stats = rig.stats.snapshot();
+    // Batch 1: job 0, with jobs 1 and 2 joined mid-run (2 refused); batch 2: jobs 3, 4.
+    assert_eq!(
+        (stats.batches, stats.jobs, stats.joined_jobs),
+        (2, 5, 2),
+        "{stats:?}"
+    );
+    assert_eq!(stats.engine_calls, 2, "{stats:?}");
+    let refused = joined[2].as_ref().unwrap_err();
+    assert!(refused.by_request, "{refused:?}");
+    assert!(refused.message.contains("sample request 3") && refused.message.contains("top_p"));
+    let log = rig.log.lock().unwrap().clone();
+    for job in [0, 1] {
+        assert!(
+            position(&log, &format!("done {job}")) < position(&log, "prepare 3"),
+            "{log:?}"
+        );
+    }
+    for job in [0, 1, 3, 4] {
+        let alone = rig.alone(job, job_requests(job)).unwrap();
+        assert_same_generations(&alone, joined[job].as_ref().unwrap(), &format!("job {job}"));
+    }
+
+    // A job queued mid-batch behind a verb waits for the verb, which waits for the batch.
+    rig.sync();
+    let before = rig.stats.snapshot();
+    let start = rig.log.lock().unwrap().len();
+    let first = Recorder {
+        streams: true,
+        on_progress: Some(rig.queue_later(vec![
+            Later::Verb("optim_step".into()),
+            Later::Sample(rig.recorder(1), job_requests(1)),
+        ])),
+        ..rig.recorder(0)
+    };
+    rig.sample_into(first, job_requests(0), None);
+    rig.results(2);
+    rig.sync();
+    let stats = rig.stats.snapshot();
+    assert_eq!(stats.batches - before.batches, 2, "{stats:?}");
+    assert_eq!(stats.joined_jobs, before.joined_jobs, "{stats:?}");
+    let log = rig.log.lock().unwrap()[start..].to_vec();
+    let verb = position(&log, "optim_step");
+    assert!(position(&log, "done 0") < verb, "{log:?}");
+    assert!(verb < position(&log, "sample 1"), "{log:?}");
 }
 
 // ---- over HTTP ----
@@ -430,11 +606,14 @@ fn concurrent_tinker_samples_share_engine_calls_and_equal_sequential_ones() {
             retrieve(addr, &id).body
         })
         .collect();
+    // (A request sent as the one before it is answered may join that one's batch.)
     let before = stats(addr, N);
-    assert_eq!(before["engine_calls"], N, "{before}");
+    assert_eq!(before["engine_calls"], before["batches"], "{before}");
 
-    // A long sample holds the engine while the others queue behind it; one of those is
-    // cancelled and one is refused by the engine (negative temperature).
+    // A long sample holds the engine while the others queue behind it (the first may join
+    // its batch; the second, with prompt log-probs, cannot, and the rest wait behind it
+    // for the next batch); one of those is cancelled and one is refused by the engine
+    // (negative temperature).
     let long = json!({
         "sampling_session_id": sampler, "seq_id": 100, "num_samples": 4,
         "prompt": {"chunks": [{"type": "encoded_text", "tokens": [5, 6, 7]}]},

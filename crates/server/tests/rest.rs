@@ -171,7 +171,7 @@ fn a_queued_sample_can_be_cancelled_and_a_finished_one_cannot() {
         .as_str()
         .unwrap()
         .to_string();
-    let sample = |seq_id: u64, max_tokens: usize| {
+    let sample = |seq_id: u64, max_tokens: usize, prompt_logprobs: bool| {
         request_id(&post_json(
             addr,
             "asample",
@@ -180,12 +180,16 @@ fn a_queued_sample_can_be_cancelled_and_a_finished_one_cannot() {
                 "prompt": {"chunks": [{"type": "encoded_text", "tokens": [11, 12, 13]}]},
                 "sampling_params": {"max_tokens": max_tokens, "stop": [], "temperature": 1.0,
                                     "top_k": -1, "top_p": 1.0},
+                "prompt_logprobs": prompt_logprobs,
             }),
         ))
     };
-    // A long sample occupies the engine; the one queued behind it has not started.
-    let running = sample(0, 300);
-    let queued = sample(1, 4);
+    // A long sample occupies the engine. A sample with prompt log-probs cannot join its
+    // running batch (it prepares on the engine first), so it waits at the front of the
+    // queue, and the one queued behind it has not started.
+    let running = sample(0, 300, false);
+    let blocker = sample(1, 4, true);
+    let queued = sample(2, 4, false);
     let cancel = post_json(addr, "cancel_future", &json!({"request_id": queued}));
     assert_eq!(cancel.json()["cancelled"], true, "{:?}", cancel.json());
     let failed = retrieve(addr, &queued).json();
@@ -195,6 +199,7 @@ fn a_queued_sample_can_be_cancelled_and_a_finished_one_cannot() {
         "{failed}"
     );
     assert_eq!(retrieve(addr, &running).status, 200);
+    assert_eq!(retrieve(addr, &blocker).status, 200);
     let late = post_json(addr, "cancel_future", &json!({"request_id": running}));
     assert_eq!(late.json()["cancelled"], false);
     let unknown = post_json(addr, "cancel_future", &json!({"request_id": "nonsense"}));

@@ -91,11 +91,12 @@ pub struct Args {
     /// Unfinished requests per model before answering 429.
     #[arg(long, default_value_t = 1024)]
     max_queued: usize,
-    /// Most samples (`n` summed over requests) in one engine's batch of concurrent sample
-    /// requests; later requests wait for the next batch.
+    /// Most samples (`n` summed over requests) of unanswered requests in one engine's
+    /// running batch; a request beyond waits and joins as the batch's requests finish.
     #[arg(long, default_value_t = SampleBatchLimits::default().max_samples)]
     max_batch_samples: usize,
-    /// Most KV positions (`n × (prompt + max new tokens)` summed) in one such batch.
+    /// Most KV positions (`n × (prompt + max new tokens)` summed) of unanswered requests
+    /// in one such batch.
     #[arg(long, default_value_t = SampleBatchLimits::default().max_tokens)]
     max_batch_tokens: usize,
 }
