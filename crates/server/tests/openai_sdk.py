@@ -141,11 +141,14 @@ s_tokens, s_logprobs, s_text, s_finish, times, s_usage = streamed_completion(lon
 assert (s_tokens, s_logprobs, s_text, s_finish) == (tokens, logprobs, text, finish), (s_text, text)
 assert s_usage.completion_tokens == usage.completion_tokens == LONG, (s_usage, usage)
 assert len(times) > LONG // 2, f"{len(times)} token chunks for {LONG} tokens"
-# The tokens arrive as they are decoded, not in one burst at the end: many chunks come
-# a decode step (milliseconds) after the one before. A loaded machine only widens the
-# gaps, where a ratio to the whole time (prefill included) made this check flaky.
-spread = sum(1 for a, b in zip(times, times[1:]) if b - a > 1e-3)
-assert spread > LONG // 4, f"{spread} of {len(times)} token chunks came over 1 ms after the last"
+# The first tokens arrive while the rest are still being decoded. A server that sent the
+# chunks in one burst at the end never shows this; a loaded machine (tests in parallel)
+# can stall one prefill past half the time, so three tries get the chance to.
+for _ in range(2):
+    if times[0] < 0.5 * times[-1]:
+        break
+    times = streamed_completion(long_prompt, seed, LONG)[4]
+assert times[0] < 0.5 * times[-1], f"first token at {times[0]:.3f}s, last at {times[-1]:.3f}s"
 print(f"streamed {LONG} tokens in {len(times)} chunks: first {times[0]:.3f}s, last {times[-1]:.3f}s")
 
 # A stop string that spans tokens: its text is held back, never sent, and the chunks add
