@@ -69,6 +69,11 @@ pub struct Args {
     /// New tokens per generated sequence.
     #[arg(long, default_value_t = 256)]
     new: usize,
+    /// Samples of each prompt (generate), as GRPO draws a group per prompt: `--batch`
+    /// sequences are `batch / N` prompts of `N` samples each, which share their prompt's
+    /// KV blocks (prefix sharing).
+    #[arg(long, default_value_t = 1, value_name = "N")]
+    samples_per_prompt: usize,
     /// Which layers' activations the backward recomputes (train; `engine.recompute`):
     /// `true` all (the peer's gradient checkpointing), `false` none, `auto` the fewest
     /// that fit the device's free memory, or a number of layers. The plan printed first
@@ -397,9 +402,15 @@ fn bench_generate<B: Backend>(
     batch: usize,
     profiler: Option<&CudaBackend>,
 ) -> anyhow::Result<Value> {
+    let group = args.samples_per_prompt;
+    if group == 0 || batch % group != 0 {
+        bail!("--samples-per-prompt {group} must divide --batch {batch} (sequences = prompts × samples)");
+    }
     let config = SamplerConfig {
-        // Room for every sequence at full length, so nothing is preempted.
-        num_blocks: batch * (args.prompt + args.new).div_ceil(16) + batch,
+        // Room for every sequence at full length, so nothing is preempted: a prompt's
+        // blocks once per group, a block of it copied per sample, the new tokens' own.
+        num_blocks: (batch / group) * args.prompt.div_ceil(16)
+            + batch * (args.new.div_ceil(16) + 2),
         block_size: 16,
         max_tokens_per_step: args.max_tokens_per_step.max(batch),
         max_running_seqs: batch,
@@ -411,11 +422,11 @@ fn bench_generate<B: Backend>(
     }
     let vocab = model.config().vocab_size;
     let requests = |new: usize| -> Vec<SampleRequest> {
-        (0..batch)
+        (0..batch / group)
             .map(|i| SampleRequest {
                 id: i as u64,
                 prompt: random_tokens(args.prompt, vocab, 1000 + i as u64),
-                n: 1,
+                n: group,
                 params: SamplingParams {
                     temperature: args.temperature,
                     max_new_tokens: new,
@@ -441,6 +452,7 @@ fn bench_generate<B: Backend>(
         "mode": "gen",
         "batch": batch,
         "prompt": args.prompt,
+        "samples_per_prompt": group,
         "new": args.new,
         "new_tok_s": new_tokens as f64 / seconds,
         "seconds": seconds,
