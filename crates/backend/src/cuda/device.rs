@@ -199,6 +199,8 @@ pub struct CudaBackend {
     blas: CudaBlas,
     arch: &'static str,
     pub(crate) sm_count: u32,
+    /// Peak DRAM bandwidth, bytes/s, from the memory clock and bus width.
+    memory_bandwidth: f64,
     device_name: String,
     modules: Mutex<HashMap<Module, Arc<CudaModule>>>,
     functions: Mutex<HashMap<&'static str, CudaFunction>>,
@@ -342,6 +344,14 @@ impl CudaBackend {
             cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
         )? as u32;
         let device_name = ctx.name()?;
+        // Peak DRAM bandwidth: two transfers a memory clock (DDR) over the whole bus.
+        let memory_clock_khz = ctx.attribute(
+            cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE,
+        )? as f64;
+        let bus_bits = ctx.attribute(
+            cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH,
+        )? as f64;
+        let memory_bandwidth = 2.0 * memory_clock_khz * 1e3 * bus_bits / 8.0;
         Ok(Self {
             ctx,
             stream,
@@ -349,6 +359,7 @@ impl CudaBackend {
             arch: arch_name(major, minor),
             sm_count,
             device_name,
+            memory_bandwidth,
             modules: Mutex::new(HashMap::new()),
             functions: Mutex::new(HashMap::new()),
             _blas_workspace: workspace,
@@ -472,6 +483,12 @@ impl CudaBackend {
             .expect("poisoned")
             .insert(kernel, f.clone());
         Ok(f)
+    }
+
+    /// Peak DRAM bandwidth in bytes/s (the memory clock's two transfers over the bus
+    /// width): the roofline of memory-bound work such as decoding.
+    pub fn memory_bandwidth(&self) -> f64 {
+        self.memory_bandwidth
     }
 
     /// Compiles (once per process) and loads every module, so later timings and the first

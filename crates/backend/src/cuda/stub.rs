@@ -31,6 +31,11 @@ impl CudaBackend {
     }
 
     /// Never called: no value of this type exists.
+    pub fn memory_bandwidth(&self) -> f64 {
+        match *self {}
+    }
+
+    /// Never called: no value of this type exists.
     pub fn start_profile(&self) {
         match *self {}
     }

@@ -136,6 +136,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 config,
                 host_dir,
                 None,
+                None,
             )
         }
         Device::Cuda(ordinal) => {
@@ -144,7 +145,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                     .with_context(|| format!("opening device {}", args.device))?,
             );
             let profiler = args.profile.then(|| Arc::clone(&backend));
-            bench(backend, &args, config, host_dir, profiler)
+            let bandwidth = backend.memory_bandwidth();
+            bench(backend, &args, config, host_dir, profiler, Some(bandwidth))
         }
     }
 }
@@ -193,6 +195,7 @@ fn bench<B: Backend>(
     config: ModelConfig,
     dir: Option<PathBuf>,
     profiler: Option<Arc<CudaBackend>>,
+    bandwidth: Option<f64>,
 ) -> anyhow::Result<()> {
     let batches = match (args.batch.is_empty(), args.mode) {
         (false, _) => args.batch.clone(),
@@ -264,7 +267,21 @@ fn bench<B: Backend>(
                 bail!("generate needs --prompt and --new of at least 1");
             }
             for &batch in &batches {
-                results.push(bench_generate(&model, args, batch, profiler.as_deref())?);
+                let mut result = bench_generate(&model, args, batch, profiler.as_deref())?;
+                if let Some(bandwidth) = bandwidth {
+                    let shape = DecodeShape {
+                        batch,
+                        samples_per_prompt: args.samples_per_prompt,
+                        prompt: args.prompt,
+                        new: args.new,
+                    };
+                    let roofline = decode_roofline(model.config(), shape, bandwidth);
+                    result["bandwidth_gb_s"] = json!(bandwidth / 1e9);
+                    result["roofline_new_tok_s"] = json!(roofline);
+                    result["roofline_share"] =
+                        json!(result["new_tok_s"].as_f64().unwrap_or(0.0) / roofline);
+                }
+                results.push(result);
             }
         }
     }
@@ -481,6 +498,34 @@ fn bench_generate<B: Backend>(
     Ok(result)
 }
 
+/// A generation benchmark's batch, as [`decode_roofline`] reads it.
+#[derive(Clone, Copy, Debug)]
+struct DecodeShape {
+    batch: usize,
+    samples_per_prompt: usize,
+    prompt: usize,
+    new: usize,
+}
+
+/// New tokens/s if every decode step read only what it must from device memory at
+/// `bandwidth` bytes/s: the bf16 weights once, and the KV cache once, a shared prompt's
+/// once for its group. With every sample decoding at once, step `j` of `new` holds the
+/// prompts and `j` tokens of each sample. Prefill is left out (it is compute-bound).
+fn decode_roofline(config: &ModelConfig, shape: DecodeShape, bandwidth: f64) -> f64 {
+    let bf16 = 2.0;
+    let weights = config.num_parameters() as f64 * bf16;
+    // K and V of one token in every layer.
+    let kv_per_token = (config.num_hidden_layers * config.num_key_value_heads * config.head_dim)
+        as f64
+        * 2.0
+        * bf16;
+    let (b, n) = (shape.batch as f64, shape.new as f64);
+    let prompts = (shape.batch / shape.samples_per_prompt.max(1)) as f64;
+    let kv_tokens = n * prompts * shape.prompt as f64 + b * n * (n + 1.0) / 2.0;
+    let seconds = (n * weights + kv_tokens * kv_per_token) / bandwidth;
+    b * n / seconds
+}
+
 fn print_table(mode: Mode, results: &[Value]) {
     let field = |r: &Value, key: &str| r[key].to_string();
     match mode {
@@ -503,8 +548,16 @@ fn print_table(mode: Mode, results: &[Value]) {
         }
         Mode::Generate => {
             println!(
-                "{:<8} {:>6} {:>7} {:>5} {:>14} {:>9} {:>10} {:>7}",
-                "model", "batch", "prompt", "new", "new tokens/s", "seconds", "tok/call", "accept"
+                "{:<8} {:>6} {:>7} {:>5} {:>14} {:>9} {:>10} {:>7} {:>9}",
+                "model",
+                "batch",
+                "prompt",
+                "new",
+                "new tokens/s",
+                "seconds",
+                "tok/call",
+                "accept",
+                "roofline"
             );
             for r in results {
                 let accept = if r["speculative_ngram"].is_null() {
@@ -512,8 +565,11 @@ fn print_table(mode: Mode, results: &[Value]) {
                 } else {
                     format!("{:.3}", r["acceptance"].as_f64().unwrap_or(0.0))
                 };
+                let roofline = r["roofline_share"]
+                    .as_f64()
+                    .map_or("-".to_string(), |share| format!("{:.0}%", share * 100.0));
                 println!(
-                    "{:<8} {:>6} {:>7} {:>5} {:>14.1} {:>9.3} {:>10.2} {:>7}",
+                    "{:<8} {:>6} {:>7} {:>5} {:>14.1} {:>9.3} {:>10.2} {:>7} {:>9}",
                     r["model"].as_str().unwrap_or("?"),
                     field(r, "batch"),
                     field(r, "prompt"),
@@ -522,6 +578,7 @@ fn print_table(mode: Mode, results: &[Value]) {
                     r["seconds"].as_f64().unwrap_or(0.0),
                     r["new_tokens_per_call"].as_f64().unwrap_or(0.0),
                     accept,
+                    roofline,
                 );
             }
         }
@@ -559,5 +616,34 @@ fn print_profile(what: &str, kernels: &[KernelTime], wall_s: f64) {
             calls,
             folded.len()
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn decode_roofline_of_the_issue_shapes() {
+        let config = ModelConfig::preset("1.7B").unwrap();
+        let h100 = 3.35e12;
+        let shape = |batch, samples_per_prompt, prompt, new| DecodeShape {
+            batch,
+            samples_per_prompt,
+            prompt,
+            new,
+        };
+        // Issue 23: ~58k new tokens/s at batch 256, 256 + 256 on an H100.
+        let roofline = decode_roofline(&config, shape(256, 1, 256, 256), h100);
+        assert!((57e3..59.5e3).contains(&roofline), "{roofline}");
+        // Sharing a prompt between samples reads it once a group: 16 samples of a
+        // 4096-token prompt are about 6x faster at the roofline than 128 distinct ones.
+        let shared = decode_roofline(&config, shape(128, 16, 4096, 512), h100);
+        let distinct = decode_roofline(&config, shape(128, 1, 4096, 512), h100);
+        assert!((35e3..42e3).contains(&shared), "{shared}");
+        assert!(shared > 5.0 * distinct, "{shared} {distinct}");
+        // Twice the bandwidth, twice the roofline.
+        let h200 = decode_roofline(&config, shape(256, 1, 256, 256), 2.0 * h100);
+        assert!((h200 / roofline - 2.0).abs() < 1e-9);
     }
 }
