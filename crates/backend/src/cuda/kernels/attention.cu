@@ -682,7 +682,8 @@ __device__ __forceinline__ void transposed_group_sum(float (&v)[N], int lane) {
 }
 
 // The lane (within its group) that holds the sum of value i after `transposed_group_sum`,
-// at index i % max(1, N / L); for `first = true`, the value index a lane's first sum has.
+// at index i % max(1, N / L); `transposed_first_index`, the value index of a lane's first
+// sum.
 template <int N, int L>
 __device__ __forceinline__ int transposed_lane(int i) {
     int c = N, off = 0;
@@ -951,7 +952,8 @@ ATTENTION_INSTANCES(64)
 ATTENTION_INSTANCES(128)
 
 // Decode kernels per head dim and register-held group size (the host rounds the group up
-// to 2, 4 or 8), with the most registers that leave MINB blocks an SM without spills.
+// to 2, 4 or 8), bounded to leave MINB blocks an SM (groups of 8 spill 64 bytes at 3
+// blocks, which timed faster than 2 blocks without spills: docs/cuda-notes.md).
 #define PAGED_DECODE_INSTANCE(D, GM, MINB)                                                                    \
     extern "C" __global__ void __launch_bounds__(32 * PAGED_WARPS, MINB) paged_attention_d##D##_g##GM(         \
         bf16_t* out, float* part_acc, float* part_ml, const bf16_t* q, const bf16_t* k_cache,              \
