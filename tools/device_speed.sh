@@ -7,6 +7,8 @@
 #   kernels cuda_ops's timing table, new and (if present) base/cuda_ops
 #   gen     `floe bench generate` at the 1.7B shape: batch 64,256 × 256+256 and batch 128 ×
 #           1024+1024, new and base
+#   grpo    GRPO-shaped generation (8 prompts x 16 samples of a 4096-token prompt, 512
+#           new): new with cascade attention and with FLOE_CASCADE=0, and base
 #   train   `floe bench train` at the 1.7B shape, 8 × 2048: new and base with recompute,
 #           new without and with `auto`
 #   serve   64 concurrent native sample calls against one call of the same 64 requests
@@ -32,7 +34,7 @@ cd "$(dirname "$0")"
 for z in floe.gz base/floe.gz; do [ -f "$z" ] && gunzip -f "$z"; done
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64 PYTHONUNBUFFERED=1 RUST_LOG=warn
 LIMIT=${LIMIT:-560}
-PARTS=${PARTS:-tests kernels gen train serve peers long}
+PARTS=${PARTS:-tests kernels gen grpo train serve peers long}
 B=${OUT:-.}/speed.log
 T0=$(date +%s)
 elapsed() { echo $(( $(date +%s) - T0 )); }
@@ -65,6 +67,13 @@ if part gen; then
     TAIL=8 run 100 "$f" bench generate --device cuda:0 --model 1.7B --random-init --batch 128 --prompt 1024 --new 1024
   done
   TAIL=45 run 100 ./floe bench generate --device cuda:0 --model 1.7B --random-init --batch 256 --prompt 256 --new 256 --profile
+fi
+if part grpo; then
+  grpo="bench generate --device cuda:0 --model 1.7B --random-init --batch 128 --samples-per-prompt 16 --prompt 4096 --new 512"
+  TAIL=8 run 100 ./floe $grpo
+  TAIL=8 run 100 env FLOE_CASCADE=0 ./floe $grpo
+  [ -x base/floe ] && TAIL=8 run 100 base/floe $grpo
+  TAIL=45 run 100 ./floe $grpo --profile
 fi
 if part train; then
   for f in $(bins); do

@@ -45,6 +45,8 @@ pub struct PagedLens<'a> {
     pub max_context: usize,
     /// [`crate::PagedLayout::runs`].
     pub runs: &'a [crate::QueryRun],
+    /// [`crate::PagedLayout::shared`].
+    pub shared: &'a [crate::SharedKeys],
 }
 
 fn shape_error(op: &'static str, msg: String) -> Error {
@@ -422,7 +424,51 @@ pub fn paged_attention(
         format!("rows of max_blocks {max_blocks}"),
     )?;
     in_range(OP, "token_pos", layout.token_pos, layout.max_context)?;
-    query_runs(OP, layout.runs, layout.token_pos)
+    query_runs(OP, layout.runs, layout.token_pos)?;
+    shared_keys(OP, layout.shared, layout.runs, layout.token_pos)
+}
+
+/// Groups in token order, disjoint, non-empty, inside the call's tokens and outside every
+/// run; on the host, no shared key at or after a member's position.
+fn shared_keys(
+    op: &'static str,
+    shared: &[crate::SharedKeys],
+    runs: &[crate::QueryRun],
+    token_pos: Ids<'_>,
+) -> Result<()> {
+    let tokens = token_pos.len();
+    let mut next_free = 0usize;
+    for (i, group) in shared.iter().enumerate() {
+        let (first, len) = (group.first as usize, group.len as usize);
+        let in_run = runs.iter().find(|r| {
+            let (a, b) = (r.first as usize, (r.first + r.len) as usize);
+            a < first + len && first < b
+        });
+        if len == 0 || first < next_free || first + len > tokens || in_run.is_some() {
+            return Err(shape_error(
+                op,
+                format!(
+                    "`shared[{i}]` (tokens {first}..{}) is empty, overlaps the group before \
+                     it or a run, or passes the {tokens} tokens",
+                    first + len
+                ),
+            ));
+        }
+        if let Ids::Host(pos) = token_pos {
+            if let Some(t) = (first..first + len).find(|&t| pos[t] < group.keys) {
+                return Err(shape_error(
+                    op,
+                    format!(
+                        "`shared[{i}]` shares {} keys but token {t} sits at position {}: \
+                         a token's own position is never shared",
+                        group.keys, pos[t]
+                    ),
+                ));
+            }
+        }
+        next_free = first + len;
+    }
+    Ok(())
 }
 
 /// Runs in token order, disjoint, non-empty and inside the call's tokens; on the host,
@@ -638,6 +684,7 @@ mod tests {
             token_pos,
             max_context: 5,
             runs: &[],
+            shared: &[],
         };
         let paged = |cache, lens| paged_attention(8, 8, cache, cache, lens, shape);
         paged(24, layout(6, Ids::Host(&[4]))).unwrap();
@@ -658,12 +705,52 @@ mod tests {
                 token_pos: Ids::Device(1),
                 max_context: 5,
                 runs: &runs,
+                shared: &[],
             };
             match paged_attention(8, 8, 24, 24, lens, shape) {
                 Ok(()) => assert!(ok),
                 Err(e) => assert!(!ok && e.to_string().contains("`runs[0]` (tokens"), "{e}"),
             }
         }
+    }
+
+    #[test]
+    fn shared_keys_are_disjoint_groups_outside_runs_before_their_positions() {
+        let shape = AttnShape {
+            tokens: 4,
+            q_heads: 2,
+            kv_heads: 1,
+            head_dim: 4,
+            scale: 1.0,
+        };
+        let group = |first, len, keys| crate::SharedKeys { first, len, keys };
+        let runs = [crate::QueryRun { first: 3, len: 1 }];
+        let pos = [4u32, 4, 3, 2];
+        let check = |shared: &[crate::SharedKeys]| {
+            let lens = PagedLens {
+                block_tables: 12,
+                max_blocks: 3,
+                block_size: 2,
+                token_seq: 4,
+                token_pos: Ids::Host(&pos),
+                max_context: 5,
+                runs: &runs,
+                shared,
+            };
+            paged_attention(32, 32, 24, 24, lens, shape)
+        };
+        check(&[group(0, 3, 2)]).unwrap();
+        check(&[group(0, 1, 4), group(1, 2, 2)]).unwrap();
+        for bad in [
+            vec![group(0, 0, 2)],
+            vec![group(0, 2, 2), group(1, 1, 2)],
+            vec![group(2, 2, 2)],
+            vec![group(3, 2, 2)],
+        ] {
+            assert!(message(check(&bad)).contains("`shared["), "{bad:?}");
+        }
+        let err = message(check(&[group(0, 3, 4)]));
+        assert!(err.contains("token 2 sits at position 3"), "{err}");
     }
 
     #[test]

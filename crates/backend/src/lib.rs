@@ -134,6 +134,11 @@ pub struct PagedLayout<'a, B: Backend + ?Sized> {
     /// backend may attend for a long run as a block (the CUDA backend on the tensor
     /// cores); each token sees the same keys either way.
     pub runs: &'a [QueryRun],
+    /// Groups of decode tokens whose sequences hold the same leading cached keys in the
+    /// same physical blocks (the samples of one prompt), in token order, outside every
+    /// run. A backend may read those keys once for the whole group (the CUDA backend's
+    /// cascade attention); each token sees the same keys either way.
+    pub shared: &'a [SharedKeys],
 }
 
 /// Query tokens `first..first + len` of a paged-attention call: one sequence's
@@ -144,6 +149,20 @@ pub struct QueryRun {
     pub first: u32,
     /// Tokens in the run.
     pub len: u32,
+}
+
+/// Query tokens `first..first + len` of a paged-attention call whose sequences share
+/// their cached positions `0..keys` (see [`PagedLayout::shared`]): the same physical
+/// blocks in the same columns of their block tables, and `keys <= token_pos` of each, so
+/// every token of the group reads all of them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SharedKeys {
+    /// First token of the group.
+    pub first: u32,
+    /// Tokens in the group.
+    pub len: u32,
+    /// Leading positions the group shares.
+    pub keys: u32,
 }
 
 /// Shape and options of the fused lm-head log-prob/entropy op.

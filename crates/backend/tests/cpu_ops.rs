@@ -528,6 +528,7 @@ fn paged_attention_equals_packed_attention() {
         token_pos: &tp,
         max_context: 7,
         runs: &[QueryRun { first: 0, len: 7 }, QueryRun { first: 7, len: 6 }],
+        shared: &[],
     };
     let shape = AttnShape {
         tokens: total,

@@ -16,7 +16,7 @@ use floe_backend::cuda::CudaBackend;
 use floe_backend::sampling::GAMMA;
 use floe_backend::{
     AdamW, AttnShape, Backend, BufKind, LmHead, Matmul, PagedLayout, QueryRun, Sampled,
-    SamplingRow, Segment,
+    SamplingRow, Segment, SharedKeys,
 };
 
 fn gpu() -> Option<CudaBackend> {
@@ -674,6 +674,9 @@ struct Paged {
     /// Prefill chunks among the queries (the CUDA backend takes the long ones on the
     /// tensor cores; the CPU ignores them).
     runs: Vec<QueryRun>,
+    /// Decodes whose sequences share leading blocks (the CUDA backend reads those keys
+    /// once per group; the CPU ignores them).
+    shared: Vec<SharedKeys>,
     max_blocks: usize,
     block_size: usize,
     shape: AttnShape,
@@ -713,6 +716,7 @@ fn paged_case<B: Backend>(b: &B, x: &Paged) -> Vec<Vec<f32>> {
         token_pos: &tp,
         max_context: *x.pos.iter().max().unwrap() as usize + 1,
         runs: &x.runs,
+        shared: &x.shared,
     };
     let mut out = b.upload(&nan(x.q.len()), BufKind::Compute).unwrap();
     b.paged_attention(&mut out, &qb, &kc, &vc, &layout, shape)
@@ -808,6 +812,7 @@ fn kv_cache_and_paged_attention() {
             seq,
             pos,
             runs,
+            shared: Vec::new(),
             max_blocks,
             block_size,
             shape,
@@ -818,6 +823,116 @@ fn kv_cache_and_paged_attention() {
         check(&format!("kv_cache_write k {what}"), &gr[0], &cr[0], TOL);
         check(&format!("kv_cache_write v {what}"), &gr[1], &cr[1], TOL);
         check(&format!("paged_attention {what}"), &gr[2], &cr[2], TOL);
+    }
+}
+
+#[test]
+fn cascade_attention_over_shared_prompt_blocks() {
+    let Some(g) = gpu() else { return };
+    let c = CpuBackend::<f32>::new();
+    let mut rng = Rng::new(11);
+    let block_size = 16usize;
+    // (q heads, kv heads, head_dim, prompts as (length, samples)): groups of 2, 4 and 8
+    // query heads; 9 samples x 8 heads take two row tiles; the 300-token prompt (288 shared
+    // keys) is just above the cascade's minimum, the 100-token one below it.
+    type Case = (usize, usize, usize, &'static [(u32, u32)]);
+    let cases: [Case; 4] = [
+        (16, 8, 128, &[(700, 5), (300, 3)]),
+        (32, 8, 128, &[(1100, 16), (100, 2)]),
+        (64, 8, 128, &[(520, 9)]),
+        (8, 2, 64, &[(2000, 4), (700, 2)]),
+    ];
+    for (hq, hk, d, prompts) in cases {
+        // Each sample's table: its prompt's whole blocks (shared), then blocks of its own
+        // for the prompt's tail and a different number of generated tokens.
+        let mut next_block = 0u32;
+        let mut seqs: Vec<(Vec<u32>, u32)> = Vec::new(); // (table, length)
+        let mut shared = Vec::new();
+        for &(len, samples) in prompts {
+            let whole = len as usize / block_size;
+            let prompt_blocks: Vec<u32> = (next_block..next_block + whole as u32).collect();
+            next_block += whole as u32;
+            let first = seqs.len() as u32 + 1; // token 0 is an unrelated decode
+            for i in 0..samples {
+                let total = len + 1 + (i * 37) % 90;
+                let mut table = prompt_blocks.clone();
+                while table.len() * block_size < total as usize {
+                    table.push(next_block);
+                    next_block += 1;
+                }
+                seqs.push((table, total));
+            }
+            shared.push(SharedKeys {
+                first,
+                len: samples,
+                keys: (whole * block_size) as u32,
+            });
+        }
+        // An unrelated sequence: its decode comes first, a prefill chunk of it last.
+        let lone_len = 400u32;
+        let lone: Vec<u32> = (0..lone_len.div_ceil(block_size as u32))
+            .map(|i| next_block + i)
+            .collect();
+        next_block += lone.len() as u32;
+        seqs.push((lone, lone_len));
+        let lone_seq = (seqs.len() - 1) as u32;
+        let max_blocks = seqs.iter().map(|(t, _)| t.len()).max().unwrap();
+        let mut tables = vec![0u32; seqs.len() * max_blocks];
+        for (s, (t, _)) in seqs.iter().enumerate() {
+            tables[s * max_blocks..s * max_blocks + t.len()].copy_from_slice(t);
+        }
+        // Every position of every sequence written once (shared blocks by the first
+        // sample that holds them).
+        let mut written = std::collections::HashSet::new();
+        let mut slots = Vec::new();
+        for (t, total) in &seqs {
+            for p in 0..*total as usize {
+                let slot = t[p / block_size] * block_size as u32 + (p % block_size) as u32;
+                if written.insert(slot) {
+                    slots.push(slot);
+                }
+            }
+        }
+        let (mut seq, mut pos) = (vec![lone_seq], vec![lone_len / 2]);
+        for (s, (_, total)) in seqs.iter().enumerate().take(seqs.len() - 1) {
+            seq.push(s as u32);
+            pos.push(total - 1);
+        }
+        let run_first = seq.len() as u32;
+        for p in 100..140 {
+            seq.push(lone_seq);
+            pos.push(p);
+        }
+        let runs = vec![QueryRun {
+            first: run_first,
+            len: 40,
+        }];
+        let shape = AttnShape {
+            tokens: seq.len(),
+            q_heads: hq,
+            kv_heads: hk,
+            head_dim: d,
+            scale: 0.088,
+        };
+        let problem = Paged {
+            q: rng.vec(seq.len() * hq * d, 2.0),
+            k: rng.vec(slots.len() * hk * d, 2.0),
+            v: rng.vec(slots.len() * hk * d, 1.0),
+            slots,
+            cache_rows: next_block as usize * block_size,
+            tables,
+            seq,
+            pos,
+            runs,
+            shared,
+            max_blocks,
+            block_size,
+            shape,
+        };
+        let cr = paged_case(&c, &problem);
+        let gr = paged_case(&g, &problem);
+        let what = format!("{hq}q/{hk}kv d{d} prompts {prompts:?}");
+        check(&format!("cascade attention {what}"), &gr[2], &cr[2], TOL);
     }
 }
 
@@ -1412,6 +1527,7 @@ fn timing_table() {
             token_pos: &tp,
             max_context: ctx,
             runs: &[],
+            shared: &[],
         };
         let dshape = AttnShape {
             tokens: seqs,
@@ -1429,6 +1545,69 @@ fn timing_table() {
             s * 1e3,
             bytes / s / 1e9
         );
+    }
+    // GRPO-shaped decode: 8 prompts of 4096 keys x 16 samples, 512 keys of each sample's
+    // own, group 2; with the prompt's keys read once per group (cascade) and once per
+    // sample. GB/s counts the bytes a cascade must read.
+    {
+        let (group, prompts, samples, prompt, own) = (2usize, 8usize, 16usize, 4096, 512);
+        let hq = group * hk;
+        let bs = 16;
+        let (pb, ob) = (prompt / bs, own / bs);
+        let seqs = prompts * samples;
+        let mb = pb + ob;
+        let blocks = prompts * pb + seqs * ob;
+        let kc = rand(&mut rng, blocks * bs * hk * d, BufKind::Compute);
+        let vc = rand(&mut rng, blocks * bs * hk * d, BufKind::Compute);
+        let mut table = Vec::with_capacity(seqs * mb);
+        for s in 0..seqs {
+            let p = s / samples;
+            table.extend((0..pb).map(|b| (p * pb + b) as u32));
+            table.extend((0..ob).map(|b| (prompts * pb + s * ob + b) as u32));
+        }
+        let tables = g.upload_index(&table).unwrap();
+        let ts = g
+            .upload_index(&(0..seqs as u32).collect::<Vec<_>>())
+            .unwrap();
+        let ctx = prompt + own;
+        let tp = g.upload_index(&vec![ctx as u32 - 1; seqs]).unwrap();
+        let qd = rand(&mut rng, seqs * hq * d, BufKind::Compute);
+        let mut od = g.zeros(seqs * hq * d, BufKind::Compute).unwrap();
+        let groups: Vec<SharedKeys> = (0..prompts)
+            .map(|p| SharedKeys {
+                first: (p * samples) as u32,
+                len: samples as u32,
+                keys: prompt as u32,
+            })
+            .collect();
+        let dshape = AttnShape {
+            tokens: seqs,
+            q_heads: hq,
+            ..shape
+        };
+        let bytes = (2 * (prompts * prompt + seqs * own) * hk * d * 2) as f64;
+        for (what, shared) in [("cascade", groups.as_slice()), ("per sample", &[])] {
+            let layout = PagedLayout {
+                block_tables: &tables,
+                max_blocks: mb,
+                block_size: bs,
+                token_seq: &ts,
+                token_pos: &tp,
+                max_context: ctx,
+                runs: &[],
+                shared,
+            };
+            let s = time(&g, 20, || {
+                g.paged_attention(&mut od, &qd, &kc, &vc, &layout, dshape)
+                    .unwrap()
+            });
+            println!(
+                "{:<44} {:>10.3} {:>8.1} GB/s",
+                format!("paged decode 8x16 of 4096+512, {what}"),
+                s * 1e3,
+                bytes / s / 1e9
+            );
+        }
     }
     // Paged prefill: whole prompts attending causally to themselves through the cache, as
     // one run each (tensor cores) and as single tokens (the warp kernel).
@@ -1467,6 +1646,7 @@ fn timing_table() {
                 token_pos: &tp,
                 max_context: ctx,
                 runs,
+                shared: &[],
             };
             let s = time(&g, 5, || {
                 g.paged_attention(&mut op, &qp, &kc, &vc, &layout, pshape)

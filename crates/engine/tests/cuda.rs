@@ -195,6 +195,27 @@ fn sampler_on_cuda_agrees_with_the_trainer_and_the_cpu() {
         2 * matched >= total,
         "greedy continuations part early: {common_prefix:?}"
     );
+
+    // Samples of long prompts decode with cascade attention (the prompt's shared keys
+    // read once per group): their log-probs still match the trainer's.
+    let long: Vec<SampleRequest> = (0..2u64)
+        .map(|id| SampleRequest {
+            id,
+            prompt: (0..600 + 77 * id as usize)
+                .map(|i| ((id as usize * 29 + i * 7 + 3) % VOCAB) as u32)
+                .collect(),
+            n: 8,
+            params: SamplingParams {
+                max_new_tokens: 24,
+                seed: Some(id),
+                ..SamplingParams::default()
+            },
+        })
+        .collect();
+    let cascade = generate(&gpu, sampler_config(256, 16, 4096), &long);
+    let cascade_gap = logprob_gap(&gpu, &long, &cascade);
+    eprintln!("long shared prompts: sampler vs trainer log-prob max |Δ| {cascade_gap:.2e}");
+    assert!(cascade_gap < 0.1, "cuda, cascade: {cascade_gap}");
 }
 
 /// Mean-NLL gradient of `batch` into `policy`, then one optimizer step.

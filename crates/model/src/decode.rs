@@ -7,7 +7,7 @@
 //! of the block tables (see [`floe_backend::PagedLayout`]); the engine's block manager
 //! decides which blocks a sequence owns and which it shares.
 
-use floe_backend::{Backend, BufKind, Matmul, PagedLayout, QueryRun};
+use floe_backend::{Backend, BufKind, Matmul, PagedLayout, QueryRun, SharedKeys};
 
 use crate::transformer::{Attend, LayerActs, ModelError, Result, Transformer};
 
@@ -80,6 +80,59 @@ impl CachedInput {
             }
         }
         runs
+    }
+
+    /// The groups of consecutive tokens outside `runs` (decodes) whose sequences hold the
+    /// same physical blocks in their leading columns (the samples of one prompt), for
+    /// [`PagedLayout::shared`]. The first two members fix the group's shared blocks; a
+    /// later token joins while it shares at least those, so samples of another prompt
+    /// that begin with the same system prompt start a group of their own. Only whole
+    /// blocks before every member's position count: a token's own position is never
+    /// shared.
+    fn shared_keys(&self, runs: &[QueryRun], block_size: usize) -> Vec<SharedKeys> {
+        let tokens = self.tokens.len();
+        let mut in_run = vec![false; tokens];
+        for run in runs {
+            in_run[run.first as usize..(run.first + run.len) as usize].fill(true);
+        }
+        let mb = self.max_blocks;
+        let table = |t: usize| {
+            let s = self.token_seq[t] as usize;
+            &self.block_tables[s * mb..(s + 1) * mb]
+        };
+        // Leading blocks tokens a and b share, whole blocks before both positions.
+        let common = |a: usize, b: usize| {
+            let whole = (self.token_pos[a].min(self.token_pos[b]) as usize / block_size).min(mb);
+            table(a)[..whole]
+                .iter()
+                .zip(&table(b)[..whole])
+                .take_while(|(x, y)| x == y)
+                .count()
+        };
+        let mut groups = Vec::new();
+        let mut first = 0;
+        while first < tokens {
+            if in_run[first] || first + 1 == tokens || in_run[first + 1] {
+                first += 1;
+                continue;
+            }
+            let blocks = common(first, first + 1);
+            if blocks == 0 {
+                first += 1;
+                continue;
+            }
+            let mut end = first + 2;
+            while end < tokens && !in_run[end] && common(first, end) >= blocks {
+                end += 1;
+            }
+            groups.push(SharedKeys {
+                first: first as u32,
+                len: (end - first) as u32,
+                keys: (blocks * block_size) as u32,
+            });
+            first = end;
+        }
+        groups
     }
 
     /// Checks lengths, ids and that every slot agrees with the block tables.
@@ -207,6 +260,7 @@ impl<B: Backend> Transformer<B> {
         let block_tables = b.upload_index(&input.block_tables)?;
         let max_context = input.token_pos.iter().max().map_or(0, |&p| p as usize + 1);
         let runs = input.query_runs();
+        let shared = input.shared_keys(&runs, cache.block_size);
 
         let mut scratch = match cache.scratch.take() {
             Some(s) if s.tokens == t => s,
@@ -237,6 +291,7 @@ impl<B: Backend> Transformer<B> {
                     token_pos: &token_pos,
                     max_context,
                     runs: &runs,
+                    shared: &shared,
                 },
                 k_cache,
                 v_cache,
@@ -293,6 +348,47 @@ mod tests {
         assert_eq!(
             input.query_runs(),
             vec![QueryRun { first: 2, len: 3 }, QueryRun { first: 6, len: 2 }]
+        );
+    }
+
+    #[test]
+    fn shared_keys_are_decodes_of_sequences_with_the_same_leading_blocks() {
+        // Blocks of 4, tables of 4 columns. Sequences 0-2: one prompt's samples sharing
+        // blocks 7, 8 (then their own); 3: another prompt that starts with block 7 (a
+        // common system prompt); 4: shares both blocks but decodes at position 6, so only
+        // block 7 lies wholly before it; 5: shares nothing.
+        let block_tables = vec![
+            7, 8, 1, 0, //
+            7, 8, 2, 0, //
+            7, 8, 3, 0, //
+            7, 9, 4, 0, //
+            7, 8, 5, 0, //
+            6, 8, 10, 0,
+        ];
+        let input = CachedInput {
+            tokens: vec![1; 9],
+            token_seq: vec![0, 1, 2, 3, 4, 4, 4, 5, 3],
+            token_pos: vec![9, 9, 10, 9, 6, 7, 8, 9, 10],
+            block_tables,
+            max_blocks: 4,
+            ..CachedInput::default()
+        };
+        let runs = input.query_runs();
+        // Sequence 4's chunk 6..9 is a run; 0-2 share 8 keys; 3 and the last token (its
+        // own sequence again, at 10) share block 7 with nothing before the run.
+        assert_eq!(runs, vec![QueryRun { first: 4, len: 3 }]);
+        let group = |first, len, keys| SharedKeys { first, len, keys };
+        assert_eq!(input.shared_keys(&runs, 4), vec![group(0, 3, 8)]);
+        // Without the run, the 3-4 pair shares block 7 (position 6: one whole block).
+        let decodes = CachedInput {
+            token_pos: vec![9, 9, 10, 9, 6, 17, 18, 9, 10],
+            ..input.clone()
+        };
+        let runs = decodes.query_runs();
+        assert_eq!(runs, vec![QueryRun { first: 5, len: 2 }]);
+        assert_eq!(
+            decodes.shared_keys(&runs, 4),
+            vec![group(0, 3, 8), group(3, 2, 4)]
         );
     }
 }

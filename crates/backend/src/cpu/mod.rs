@@ -907,6 +907,7 @@ impl<T: CpuFloat> Backend for CpuBackend<T> {
             token_pos: Ids::Host(token_pos),
             max_context: layout.max_context,
             runs: layout.runs,
+            shared: layout.shared,
         };
         contract::paged_attention(
             out.len(),

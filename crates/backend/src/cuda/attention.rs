@@ -1,7 +1,7 @@
 //! Host-side work lists of the packed-segment attention kernels (see
 //! `kernels/attention.cu` for how each list is read).
 
-use crate::{QueryRun, Segment};
+use crate::{QueryRun, Segment, SharedKeys};
 
 /// Query rows per forward / dQ block (`Q_TILE` in `attention.cu`).
 pub(crate) const QUERY_TILE: u32 = 64;
@@ -183,6 +183,73 @@ pub(crate) fn paged_splits(
     (max_context.div_ceil(split_len).max(1), split_len)
 }
 
+/// Fewest shared keys a group needs for cascade attention: below one shortest split, the
+/// extra launch costs more than reading the keys once per token.
+const CASCADE_MIN_KEYS: u32 = PAGED_MIN_SPLIT as u32;
+
+/// Cascade attention of a paged-attention call: its groups' shared keys read once per
+/// group on the tensor cores (`paged_cascade_attention`), each token's own keys by the
+/// decode kernel.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) struct Cascade {
+    /// `[n_item * 4]`: first listed token, first and end flat row (tokens x the query
+    /// heads of a kv head, at most [`QUERY_TILE`]), shared keys.
+    pub items: Vec<u32>,
+    /// Per token of the decode kernel's list: the first key it reads itself (0 outside
+    /// the groups).
+    pub key_start: Vec<u32>,
+    /// Most shared keys of a group.
+    pub max_keys: usize,
+    /// Fewest shared keys of a token of the list (0 when one is in no group).
+    pub min_keys: usize,
+}
+
+/// The cascade of the `shared` groups (checked by the contract) with at least
+/// [`CASCADE_MIN_KEYS`] keys, over the decode kernel's tokens (`listed`, or all `tokens`
+/// without a list), `group` query heads per kv head. `None` when no group qualifies.
+pub(crate) fn cascade(
+    shared: &[SharedKeys],
+    listed: Option<&[u32]>,
+    tokens: usize,
+    group: usize,
+) -> Option<Cascade> {
+    let n = listed.map_or(tokens, <[u32]>::len);
+    let mut key_start = vec![0u32; n];
+    let mut items = Vec::new();
+    for g in shared
+        .iter()
+        .filter(|g| g.len >= 2 && g.keys >= CASCADE_MIN_KEYS)
+    {
+        // Group members are consecutive tokens outside every run, so consecutive in the
+        // list too.
+        let first = match listed {
+            None => g.first as usize,
+            Some(list) => list
+                .binary_search(&g.first)
+                .expect("shared tokens lie outside every run"),
+        };
+        key_start[first..first + g.len as usize].fill(g.keys);
+        let rows = g.len * group as u32;
+        let mut lo = 0;
+        while lo < rows {
+            let hi = (lo + QUERY_TILE).min(rows);
+            items.extend([first as u32, lo, hi, g.keys]);
+            lo = hi;
+        }
+    }
+    if items.is_empty() {
+        return None;
+    }
+    let max_keys = items.chunks(4).map(|i| i[3]).max().unwrap_or(0) as usize;
+    let min_keys = key_start.iter().copied().min().unwrap_or(0) as usize;
+    Some(Cascade {
+        items,
+        key_start,
+        max_keys,
+        min_keys,
+    })
+}
+
 /// Shortest run of query tokens paged attention takes on the tensor cores: shorter runs
 /// would leave most of a 64-row tile's rows empty.
 const PREFILL_MIN_RUN: u32 = 16;
@@ -251,6 +318,32 @@ mod tests {
                 "{tokens} {ctx}"
             );
         }
+    }
+
+    #[test]
+    fn cascade_tiles_each_groups_rows_and_lists_where_its_tokens_own_keys_start() {
+        let group = |first, len, keys| SharedKeys { first, len, keys };
+        // 40 samples of a 4096-key prompt, 2 query heads a kv head: 80 rows in two tiles;
+        // a pair sharing too few keys stays with the decode kernel, as does token 0.
+        let c = cascade(&[group(1, 40, 4096), group(41, 2, 64)], None, 43, 2).unwrap();
+        assert_eq!(c.items, vec![1, 0, 64, 4096, 1, 64, 80, 4096]);
+        assert_eq!(c.key_start[0], 0);
+        assert!(c.key_start[1..41].iter().all(|&k| k == 4096));
+        assert_eq!(&c.key_start[41..], &[0, 0]);
+        assert_eq!((c.max_keys, c.min_keys), (4096, 0));
+        // With a list (a prefill run at tokens 0..20), groups are found by their place in
+        // it; every listed token grouped.
+        let listed: Vec<u32> = (20..30).collect();
+        let c = cascade(
+            &[group(20, 4, 512), group(24, 6, 256)],
+            Some(&listed),
+            30,
+            8,
+        )
+        .unwrap();
+        assert_eq!(c.items, vec![0, 0, 32, 512, 4, 0, 48, 256]);
+        assert_eq!((c.max_keys, c.min_keys), (512, 256));
+        assert_eq!(cascade(&[group(0, 1, 4096)], None, 3, 2), None);
     }
 
     #[test]

@@ -215,6 +215,9 @@ pub struct CudaBackend {
     /// decode step calls it once per layer, and a fresh buffer each time costs two
     /// allocations and a free-memory query per layer.
     pub(crate) paged_partials: Mutex<Option<CudaBuf>>,
+    /// Whether paged attention reads a group's shared keys once for all its tokens
+    /// (cascade); `FLOE_CASCADE=0` turns it off, to time what it gains.
+    pub(crate) cascade: bool,
 }
 
 /// Elements of one chunk that [`crate::Backend::adamw_host`] streams through the host.
@@ -367,6 +370,7 @@ impl CudaBackend {
             spans: Mutex::new(Vec::new()),
             host_staging: Mutex::new(None),
             paged_partials: Mutex::new(None),
+            cascade: std::env::var("FLOE_CASCADE").map_or(true, |v| v != "0"),
         })
     }
 

@@ -72,6 +72,9 @@ fn attention_kernel(name: &'static str, head_dim: usize) -> &'static str {
         ("attention_backward_dkdv", 32) => "attention_backward_dkdv_d32",
         ("attention_backward_dkdv", 64) => "attention_backward_dkdv_d64",
         ("attention_backward_dkdv", _) => "attention_backward_dkdv_d128",
+        ("paged_cascade_attention", 32) => "paged_cascade_attention_d32",
+        ("paged_cascade_attention", 64) => "paged_cascade_attention_d64",
+        ("paged_cascade_attention", _) => "paged_cascade_attention_d128",
         (_, 32) => "paged_prefill_attention_d32",
         (_, 64) => "paged_prefill_attention_d64",
         _ => "paged_prefill_attention_d128",
@@ -1023,6 +1026,7 @@ impl Backend for CudaBackend {
             token_pos: Ids::Device(layout.token_pos.len),
             max_context: layout.max_context,
             runs: layout.runs,
+            shared: layout.shared,
         };
         contract::paged_attention(out.len, q.len, k_cache.len, v_cache.len, lens, shape)?;
         supported_head_dim(OP, shape.head_dim)?;
@@ -1074,30 +1078,94 @@ impl Backend for CudaBackend {
         let token_list_arg = token_list.as_ref().map_or(Arg::Ptr(0), |l| self.p(l));
         let group = q_heads / kv_heads;
         let blocks_per_token = kv_heads * group.div_ceil(attention::PAGED_MAX_GROUP);
-        let (splits, split_len) = attention::paged_splits(
-            decode_tokens,
-            blocks_per_token,
-            layout.max_context,
-            self.sm_count as usize,
-        );
-        // Splits write unnormalised partials that the combine pass merges: per row of the
-        // listed tokens, `head_dim` accumulators, then (max, sum) pairs after all rows'
-        // accumulators.
+        let cascade = if self.cascade {
+            attention::cascade(layout.shared, work.decode_tokens.as_deref(), tokens, group)
+        } else {
+            None
+        };
+        // Splits of each token's keys: one split length for the cascade's shared keys
+        // and the decode kernel's own (slots `shared splits..` of a grouped token), chosen
+        // to fill the device with the cascade's blocks when there is one.
+        let (splits, split_len, slots) = match &cascade {
+            None => {
+                let (splits, split_len) = attention::paged_splits(
+                    decode_tokens,
+                    blocks_per_token,
+                    layout.max_context,
+                    self.sm_count as usize,
+                );
+                (splits, split_len, splits)
+            }
+            Some(c) => {
+                let (_, split_len) = attention::paged_splits(
+                    c.items.len() / 4,
+                    kv_heads,
+                    c.max_keys,
+                    self.sm_count as usize,
+                );
+                let own_context = layout.max_context - c.min_keys;
+                let splits = own_context.div_ceil(split_len);
+                (splits, split_len, c.max_keys.div_ceil(split_len) + splits)
+            }
+        };
+        // Partials (more than one slot, or a cascade) are unnormalised accumulators that
+        // the combine pass merges: per row of the listed tokens, `head_dim` of them per
+        // slot, then (max, sum) pairs after all rows' accumulators.
         let rows = decode_tokens * q_heads;
         let mut partials = self.paged_partials.lock().expect("poisoned");
-        let (acc, ml) = if splits > 1 {
-            let need = rows * splits * (head_dim + 2);
+        let with_partials = slots > 1 || cascade.is_some();
+        let (acc, ml) = if with_partials {
+            let need = rows * slots * (head_dim + 2);
             if partials.as_ref().is_none_or(|b| b.len < need) {
                 // Freed in stream order, after the kernels that still read it.
                 *partials = None;
                 *partials = Some(self.alloc(need, BufKind::Full)?);
             }
             let base = self.ptr(partials.as_ref().expect("allocated above"));
-            let ml_offset = (rows * splits * head_dim * std::mem::size_of::<f32>()) as u64;
+            let ml_offset = (rows * slots * head_dim * std::mem::size_of::<f32>()) as u64;
             (Arg::Ptr(base), Arg::Ptr(base + ml_offset))
         } else {
             (Arg::Ptr(0), Arg::Ptr(0))
         };
+        let key_start = match &cascade {
+            Some(c) => Some(self.upload_index_to(&c.key_start)?),
+            None => None,
+        };
+        let key_start_arg = key_start.as_ref().map_or(Arg::Ptr(0), |k| self.p(k));
+        if let Some(c) = &cascade {
+            let items = self.upload_index_to(&c.items)?;
+            let mut args = vec![
+                acc,
+                ml,
+                self.p(q),
+                self.p(k_cache),
+                self.p(v_cache),
+                self.p(layout.block_tables),
+                self.p(layout.token_seq),
+                token_list_arg,
+                self.p(&items),
+            ];
+            args.extend(int_args);
+            args.extend([
+                int(OP, "split_len", split_len)?,
+                int(OP, "slots", slots)?,
+                Arg::F32(scale),
+            ]);
+            self.launch(
+                Module::Attention,
+                attention_kernel("paged_cascade_attention", head_dim),
+                LaunchConfig {
+                    grid_dim: (
+                        (c.items.len() / 4) as u32,
+                        kv_heads as u32,
+                        c.max_keys.div_ceil(split_len) as u32,
+                    ),
+                    block_dim: (THREADS, 1, 1),
+                    shared_mem_bytes: forward_shared_bytes(head_dim),
+                },
+                &args,
+            )?;
+        }
         let mut args = vec![
             self.p(out),
             acc,
@@ -1109,9 +1177,14 @@ impl Backend for CudaBackend {
             self.p(layout.token_seq),
             self.p(layout.token_pos),
             token_list_arg,
+            key_start_arg,
         ];
         args.extend(int_args);
-        args.extend([int(OP, "split_len", split_len)?, Arg::F32(scale)]);
+        args.extend([
+            int(OP, "split_len", split_len)?,
+            int(OP, "slots", slots)?,
+            Arg::F32(scale),
+        ]);
         self.launch(
             Module::Attention,
             attention::paged_decode_kernel(head_dim, group),
@@ -1121,7 +1194,7 @@ impl Backend for CudaBackend {
             ),
             &args,
         )?;
-        if splits > 1 {
+        if with_partials {
             let warps = 4;
             self.launch(
                 Module::Attention,
@@ -1133,9 +1206,10 @@ impl Backend for CudaBackend {
                     ml,
                     self.p(layout.token_pos),
                     token_list_arg,
+                    key_start_arg,
                     int(OP, "tokens", decode_tokens)?,
                     int(OP, "q_heads", q_heads)?,
-                    int(OP, "splits", splits)?,
+                    int(OP, "slots", slots)?,
                     int(OP, "split_len", split_len)?,
                     int(OP, "head_dim", head_dim)?,
                 ],

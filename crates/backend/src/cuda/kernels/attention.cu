@@ -136,21 +136,29 @@ __device__ __forceinline__ bool sees_whole_tile(u32 t_lo, u32 t_hi, bool causal,
     return t_hi - t_lo == K_TILE && warp_row + 16 <= q_hi && (!causal || t_hi <= warp_row + 1);
 }
 
-// A fragments (16 rows x D) of rows row0 (lanes' g) and row0 + 8 straight from global memory.
+// A fragments (16 rows x D) straight from global memory: the D-long rows at `p0` (the
+// lanes' g) and `p1` (g + 8); a null row reads as zeros.
 template <int D>
-__device__ __forceinline__ void load_a_rows(u32 (*a)[4], const bf16_t* src, u32 row0, u32 hi, int heads,
-                                            int head, int t) {
-    const u32* r0 = (const u32*)(src + ((i64)row0 * heads + head) * D);
-    const u32* r1 = (const u32*)(src + ((i64)(row0 + 8) * heads + head) * D);
-    bool ok0 = row0 < hi, ok1 = row0 + 8 < hi;
+__device__ __forceinline__ void load_a_ptrs(u32 (*a)[4], const bf16_t* p0, const bf16_t* p1, int t) {
+    const u32 *r0 = (const u32*)p0, *r1 = (const u32*)p1;
 #pragma unroll
     for (int ks = 0; ks < D / 16; ++ks) {
         int c = (ks * 16 + t * 2) / 2;
-        a[ks][0] = ok0 ? r0[c] : 0u;
-        a[ks][1] = ok1 ? r1[c] : 0u;
-        a[ks][2] = ok0 ? r0[c + 4] : 0u;
-        a[ks][3] = ok1 ? r1[c + 4] : 0u;
+        a[ks][0] = r0 ? r0[c] : 0u;
+        a[ks][1] = r1 ? r1[c] : 0u;
+        a[ks][2] = r0 ? r0[c + 4] : 0u;
+        a[ks][3] = r1 ? r1[c + 4] : 0u;
     }
+}
+
+// load_a_ptrs of rows row0 and row0 + 8 of head `head` of a [T, heads, D] tensor; rows at
+// or past `hi` read as zeros.
+template <int D>
+__device__ __forceinline__ void load_a_rows(u32 (*a)[4], const bf16_t* src, u32 row0, u32 hi, int heads,
+                                            int head, int t) {
+    const bf16_t* p0 = row0 < hi ? src + ((i64)row0 * heads + head) * D : nullptr;
+    const bf16_t* p1 = row0 + 8 < hi ? src + ((i64)(row0 + 8) * heads + head) * D : nullptr;
+    load_a_ptrs<D>(a, p0, p1, t);
 }
 
 // acc[16 x 8*NT] += A (16 x D, fragments in registers) * tile^T, where tile holds NT*8
@@ -216,17 +224,19 @@ struct PackedKeys {
     }
 };
 
-// The keys a prefill query tile walks in the paged cache: positions [0, end) of one
-// sequence, through its block table, all causal (the query at position p sees 0..=p).
+// The keys a query tile walks in the paged cache: positions [begin, end) of one sequence,
+// through its block table; causal for prefill (the query at position p sees 0..=p), not
+// for cascade attention (every query sits past the shared keys).
 template <int D>
 struct PagedKeys {
     const bf16_t *k_cache, *v_cache;
     const u32* table;
     int block_size, kv_heads, kvh;
-    u32 end;
-    __device__ int count() const { return (int)((end + K_TILE - 1) / K_TILE); }
-    __device__ bool causal(int) const { return true; }
-    __device__ u32 lo(int i) const { return (u32)i * K_TILE; }
+    u32 begin, end;
+    bool is_causal;
+    __device__ int count() const { return (int)((end - begin + K_TILE - 1) / K_TILE); }
+    __device__ bool causal(int) const { return is_causal; }
+    __device__ u32 lo(int i) const { return begin + (u32)i * K_TILE; }
     __device__ u32 hi(int i) const { return min(lo(i) + K_TILE, end); }
     __device__ void load(bf16_t* stage, int i) const {
         constexpr int CHUNKS = D / 8;
@@ -243,24 +253,50 @@ struct PagedKeys {
     }
 };
 
-// Forward of query rows [q_lo, q_hi) (at most Q_TILE) of head h against `keys`: a query
-// row's position is `row + qoff` (u32, wrapping), the number causal masks compare with key
-// positions. Writes `out` and, when `lse` is set, the rows' log-sum-exps.
-template <int D, class Keys>
-__device__ void attention_forward_tile(bf16_t* out, float* lse, const bf16_t* q, const Keys& keys, u32 q_lo,
-                                       u32 q_hi, u32 qoff, int h, int q_heads, float scale) {
+// The query rows of a forward tile: rows [lo, hi) of head h of [T, heads, D] tensors, row
+// r (from lo) at position lo + r + qoff (u32, wrapping) for the causal mask. Results are
+// normalised into `out`, the log-sum-exps into `lse` when it is set.
+template <int D>
+struct HeadRows {
+    bf16_t* out;
+    float* lse;
+    const bf16_t* q;
+    u32 lo, hi, qoff;
+    int h, heads;
+    __device__ u32 count() const { return hi - lo; }
+    __device__ u32 pos(u32 r) const { return lo + r + qoff; }
+    // A fragments of rows r0 and r0 + 8.
+    __device__ void load_q(u32 (*a)[4], u32 r0, int t) const { load_a_rows<D>(a, q, lo + r0, hi, heads, h, t); }
+    // Row r from the accumulator's c-halves `half` (0: c = 0, 1; 1: c = 2, 3), its max m
+    // (log2 units) and sum l.
+    __device__ void store(u32 r, const float (*o)[4], int half, float m, float l, int t) const {
+        u32 row = lo + r;
+        float inv = 1.0f / l;
+        u32* dst = (u32*)(out + ((i64)row * heads + h) * D);
+#pragma unroll
+        for (int dt = 0; dt < D / 8; ++dt)
+            dst[(dt * 8 + t * 2) / 2] = pack_bf16(o[dt][2 * half] * inv, o[dt][2 * half + 1] * inv);
+        if (lse && t == 0) lse[(i64)row * heads + h] = (m + log2f(l)) * LN2;
+    }
+};
+
+// Forward of a tile of at most Q_TILE query `rows` (HeadRows or CascadeRows) against
+// `keys`.
+template <int D, class Keys, class Rows>
+__device__ void attention_forward_tile(const Keys& keys, const Rows& rows, float scale) {
     constexpr int NT = K_TILE / 8, DT = D / 8, STAGE = K_TILE * (D + PAD);
     // Two stages of K and V tiles: [stage][K | V][K_TILE][D + PAD].
     extern __shared__ __align__(16) unsigned char smem[];
     bf16_t* tiles = (bf16_t*)smem;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    u32 row0 = q_lo + warp * 16 + g, row1 = row0 + 8;
+    u32 n_rows = rows.count(), warp_row = warp * 16, row0 = warp_row + g, row1 = row0 + 8;
+    u32 pos0 = rows.pos(row0), pos1 = rows.pos(row1);
     int n_tiles = keys.count();
     if (n_tiles > 0) keys.load(tiles, 0);
     cp_async_commit();
 
     u32 qa[D / 16][4];
-    load_a_rows<D>(qa, q, row0, q_hi, q_heads, h, t);
+    rows.load_q(qa, row0, t);
     float o[DT][4];
 #pragma unroll
     for (int dt = 0; dt < DT; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.0f;
@@ -282,7 +318,11 @@ __device__ void attention_forward_tile(bf16_t* out, float* lse, const bf16_t* q,
             for (int nt = 0; nt < NT; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
             mma_a_tileT<D, NT>(s, qa, ks, lane);
             float mx0 = NEG_INF, mx1 = NEG_INF;
-            if (sees_whole_tile(t_lo, t_hi, causal, q_lo + warp * 16 + qoff, q_hi + qoff)) {
+            // Interior tiles, most of a long sequence's, skip the per-element mask: a full
+            // tile, the warp's rows all real, and (causal) the last key at or before the
+            // warp's first row.
+            if (t_hi - t_lo == K_TILE && warp_row + 16 <= n_rows &&
+                (!causal || t_hi <= rows.pos(warp_row) + 1)) {
 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
@@ -299,7 +339,7 @@ __device__ void attention_forward_tile(bf16_t* out, float* lse, const bf16_t* q,
                     for (int c = 0; c < 4; ++c) {
                         u32 key = t_lo + nt * 8 + t * 2 + (c & 1);
                         u32 row = c < 2 ? row0 : row1;
-                        bool ok = key < t_hi && row < q_hi && (!causal || key <= row + qoff);
+                        bool ok = key < t_hi && row < n_rows && (!causal || key <= (c < 2 ? pos0 : pos1));
                         float val = ok ? s[nt][c] * sl : NEG_INF;
                         s[nt][c] = val;
                         if (c < 2) mx0 = fmaxf(mx0, val);
@@ -337,19 +377,8 @@ __device__ void attention_forward_tile(bf16_t* out, float* lse, const bf16_t* q,
     }
     l0 = quad_sum(l0);
     l1 = quad_sum(l1);
-    float i0 = 1.0f / l0, i1 = 1.0f / l1;
-    if (row0 < q_hi) {
-        u32* dst = (u32*)(out + ((i64)row0 * q_heads + h) * D);
-#pragma unroll
-        for (int dt = 0; dt < DT; ++dt) dst[(dt * 8 + t * 2) / 2] = pack_bf16(o[dt][0] * i0, o[dt][1] * i0);
-        if (lse && t == 0) lse[(i64)row0 * q_heads + h] = (m0 + log2f(l0)) * LN2;
-    }
-    if (row1 < q_hi) {
-        u32* dst = (u32*)(out + ((i64)row1 * q_heads + h) * D);
-#pragma unroll
-        for (int dt = 0; dt < DT; ++dt) dst[(dt * 8 + t * 2) / 2] = pack_bf16(o[dt][2] * i1, o[dt][3] * i1);
-        if (lse && t == 0) lse[(i64)row1 * q_heads + h] = (m1 + log2f(l1)) * LN2;
-    }
+    if (row0 < n_rows) rows.store(row0, o, 0, m0, l0, t);
+    if (row1 < n_rows) rows.store(row1, o, 1, m1, l1, t);
 }
 
 
@@ -362,7 +391,7 @@ __device__ void attention_forward_impl(bf16_t* out, float* lse, const bf16_t* q,
     u32 q_lo = item[1], q_hi = item[2];
     int h = blockIdx.y, kvh = h / (q_heads / kv_heads);
     PackedKeys<D> keys{KeyTiles(seg, q_hi), k, v, kv_heads, kvh};
-    attention_forward_tile<D>(out, lse, q, keys, q_lo, q_hi, 0u, h, q_heads, scale);
+    attention_forward_tile<D>(keys, HeadRows<D>{out, lse, q, q_lo, q_hi, 0u, h, q_heads}, scale);
 }
 
 // Prefill over the paged cache on the tensor cores: a block takes up to Q_TILE query
@@ -379,8 +408,69 @@ __device__ void paged_prefill_attention_impl(bf16_t* out, const bf16_t* q, const
     int h = blockIdx.y, kvh = h / (q_heads / kv_heads);
     u32 p_lo = token_pos[q_lo];
     PagedKeys<D> keys{k_cache, v_cache, block_tables + (i64)token_seq[q_lo] * max_blocks, block_size, kv_heads,
-                      kvh, p_lo + (q_hi - q_lo)};
-    attention_forward_tile<D>(out, nullptr, q, keys, q_lo, q_hi, p_lo - q_lo, h, q_heads, scale);
+                      kvh, 0u, p_lo + (q_hi - q_lo), true};
+    attention_forward_tile<D>(keys, HeadRows<D>{out, nullptr, q, q_lo, q_hi, p_lo - q_lo, h, q_heads}, scale);
+}
+
+// The query rows of cascade attention: the decode tokens of a group whose sequences share
+// a prompt's cached keys, times the query heads of one kv head. Flat row f = lo + r is
+// listed token first + f / group, head kvh * group + f % group (listed tokens are the decode
+// kernel's: `token_list[i]`, or i without a list). No row is causal (every token sits past
+// the shared keys). Results go out unnormalised as split `slot`'s partial of each (token,
+// head), in `paged_attention`'s format, for `paged_attention_combine`.
+template <int D>
+struct CascadeRows {
+    float *part_acc, *part_ml;
+    const bf16_t* q;
+    const u32* token_list;
+    u32 first, lo, hi;
+    int group, kvh, q_heads, nslots, slot;
+    __device__ u32 count() const { return hi - lo; }
+    __device__ u32 pos(u32) const { return 0u; }
+    __device__ u32 listed(u32 r) const { return first + (lo + r) / (u32)group; }
+    __device__ i64 head(u32 r) const { return (i64)kvh * group + (lo + r) % (u32)group; }
+    __device__ const bf16_t* q_row(u32 r) const {
+        if (r >= count()) return nullptr;
+        u32 i = listed(r), tok = token_list ? token_list[i] : i;
+        return q + ((i64)tok * q_heads + head(r)) * D;
+    }
+    __device__ void load_q(u32 (*a)[4], u32 r0, int t) const { load_a_ptrs<D>(a, q_row(r0), q_row(r0 + 8), t); }
+    __device__ void store(u32 r, const float (*o)[4], int half, float m, float l, int t) const {
+        i64 pr = ((i64)listed(r) * q_heads + head(r)) * nslots + slot;
+#pragma unroll
+        for (int dt = 0; dt < D / 8; ++dt)
+            *(float2*)(part_acc + pr * D + dt * 8 + t * 2) = make_float2(o[dt][2 * half], o[dt][2 * half + 1]);
+        if (t == 0) {
+            part_ml[pr * 2] = m;
+            part_ml[pr * 2 + 1] = l;
+        }
+    }
+};
+
+// Cascade attention, the shared part: a block takes an item (listed token `first`, flat
+// rows [lo, hi) of the group's tokens x query heads, at most Q_TILE; `keys` shared keys) of
+// a group, kv head y and context split z, and attends those rows to the split's share of
+// the shared keys on the tensor cores, reading them once for the whole group where the
+// decode kernel would read them once per token. Split z is partial slot z; the decode
+// kernel takes each token's own keys from `keys` on, in the slots after.
+template <int D>
+__device__ void paged_cascade_attention_impl(float* part_acc, float* part_ml, const bf16_t* q,
+                                             const bf16_t* k_cache, const bf16_t* v_cache,
+                                             const u32* block_tables, const u32* token_seq,
+                                             const u32* token_list, const u32* items, int max_blocks,
+                                             int block_size, int q_heads, int kv_heads, int split_len,
+                                             int nslots, float scale) {
+    const u32* item = items + 4 * blockIdx.x;
+    u32 first = item[0], shared = item[3], k_lo = blockIdx.z * (u32)split_len;
+    if (k_lo >= shared) return;  // the whole block
+    int kvh = blockIdx.y, group = q_heads / kv_heads;
+    u32 tok = token_list ? token_list[first] : first;
+    // Every member holds the shared keys in the same blocks: the first one's table serves.
+    PagedKeys<D> keys{k_cache, v_cache, block_tables + (i64)token_seq[tok] * max_blocks, block_size, kv_heads,
+                      kvh, k_lo, min(shared, k_lo + (u32)split_len), false};
+    CascadeRows<D> rows{part_acc, part_ml, q, token_list, first, item[1], item[2], group, kvh, q_heads, nslots,
+                        (int)blockIdx.z};
+    attention_forward_tile<D>(keys, rows, scale);
 }
 
 // delta[t, h] = sum_d dout[t, h, d] * out[t, h, d], one warp per (t, h).
@@ -724,8 +814,8 @@ template <int D, int GM>
 __device__ void paged_attention_impl(bf16_t* out, float* part_acc, float* part_ml, const bf16_t* q,
                                      const bf16_t* k_cache, const bf16_t* v_cache, const u32* block_tables,
                                      const u32* token_seq, const u32* token_pos, const u32* token_list,
-                                     int max_blocks, int block_size, int q_heads, int kv_heads, int split_len,
-                                     float scale) {
+                                     const u32* key_start, int max_blocks, int block_size, int q_heads,
+                                     int kv_heads, int split_len, int nslots, float scale) {
     constexpr int LPR = D / 8;               // lanes per row (one 16-byte word each)
     constexpr int RPL = 32 / LPR;            // rows one warp load covers
     constexpr int NI = 8;                    // loads of K (and of V) per chunk
@@ -742,10 +832,14 @@ __device__ void paged_attention_impl(bf16_t* out, float* part_acc, float* part_m
     int kvh = blockIdx.y / parts, part = blockIdx.y % parts;
     int G = min(PAGED_GMAX, group - part * PAGED_GMAX);  // query heads of this block
     // Token t of the call, or the listed one when the prefill kernel takes the others.
-    int t = token_list ? (int)token_list[blockIdx.x] : blockIdx.x, split = blockIdx.z, nsplit = gridDim.z;
+    int t = token_list ? (int)token_list[blockIdx.x] : blockIdx.x, split = blockIdx.z;
     u32 seq = token_seq[t], pos = token_pos[t];
-    u32 k_lo = (u32)split * split_len;
+    // With cascade attention the token's own keys start past its group's shared ones,
+    // whose splits took the first partial slots.
+    u32 own = key_start ? key_start[blockIdx.x] : 0u;
+    u32 k_lo = own + (u32)split * split_len;
     if (k_lo > pos) return;  // the whole block
+    int slot = (int)((own + split_len - 1) / split_len) + split;
     u32 k_hi = min(pos + 1, k_lo + (u32)split_len);
     i64 head0 = (i64)kvh * group + part * PAGED_GMAX;  // the block's first query head
     i64 q_row = (i64)t * q_heads + head0;
@@ -861,30 +955,33 @@ __device__ void paged_attention_impl(bf16_t* out, float* part_acc, float* part_m
         }
         i64 r = q_row + h;
         // Partials are numbered by the block's token, listed or not.
-        i64 pr = ((i64)blockIdx.x * q_heads + head0 + h) * nsplit + split;
+        i64 pr = ((i64)blockIdx.x * q_heads + head0 + h) * nslots + slot;
         for (int d = lane; d < D; d += 32) {
             float o = 0.0f;
 #pragma unroll
             for (int w = 0; w < PAGED_WARPS; ++w) o += s_acc[w][h][d] * wt[w];
-            if (nsplit == 1)
+            if (!part_acc)
                 out[r * D + d] = f2bf(o / l_sum);
             else
                 part_acc[pr * D + d] = o;
         }
-        if (nsplit > 1 && lane == 0) {
+        if (part_acc && lane == 0) {
             part_ml[pr * 2] = mx;
             part_ml[pr * 2 + 1] = l_sum;
         }
     }
 }
 
-// Merges the context splits of paged attention: one warp per (query token, query head).
+// Merges the context splits of paged attention: one warp per (query token, query head),
+// whose partials fill slots 0..n of `nslots`: the cascade kernel's splits of its shared
+// keys (none without `key_start`), then the decode kernel's of its own.
 // The weights are relative to the splits' largest max, the same arithmetic for one split
 // as the direct write above (exp2(0) = 1, 0 + x = x), so results do not depend on the
 // number of splits the host chose for other tokens.
 extern "C" __global__ void paged_attention_combine(bf16_t* out, const float* part_acc, const float* part_ml,
-                                                   const u32* token_pos, const u32* token_list, int tokens,
-                                                   int q_heads, int nsplit, int split_len, int head_dim) {
+                                                   const u32* token_pos, const u32* token_list,
+                                                   const u32* key_start, int tokens, int q_heads, int nslots,
+                                                   int split_len, int head_dim) {
     int lane = threadIdx.x & 31;
     // `row` numbers the partials (the kernel's tokens, listed or not); `out_row` the output.
     i64 row = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
@@ -892,14 +989,15 @@ extern "C" __global__ void paged_attention_combine(bf16_t* out, const float* par
     int li = (int)(row / q_heads);
     int t = token_list ? (int)token_list[li] : li;
     i64 out_row = (i64)t * q_heads + row % q_heads;
-    int n = (int)(token_pos[t] / (u32)split_len) + 1;  // splits that hold keys
-    const float* ml = part_ml + row * nsplit * 2;
+    u32 own = key_start ? key_start[li] : 0u, sl = (u32)split_len;
+    int n = (int)((own + sl - 1) / sl + (token_pos[t] - own) / sl) + 1;  // slots that hold keys
+    const float* ml = part_ml + row * nslots * 2;
     float mx = NEG_INF;
     for (int s = 0; s < n; ++s) mx = fmaxf(mx, ml[s * 2]);
     float l_sum = 0.0f;
     for (int s = 0; s < n; ++s) l_sum += ml[s * 2 + 1] * exp2f(ml[s * 2] - mx);
     float inv_l = 1.0f / l_sum;
-    const float* acc = part_acc + row * nsplit * head_dim;
+    const float* acc = part_acc + row * nslots * head_dim;
     for (int d = lane; d < head_dim; d += 32) {
         float o = 0.0f;
         for (int s = 0; s < n; ++s) o += acc[(i64)s * head_dim + d] * exp2f(ml[s * 2] - mx);
@@ -945,6 +1043,14 @@ extern "C" __global__ void kv_cache_write(bf16_t* k_cache, bf16_t* v_cache, cons
         int q_heads, int kv_heads, float scale) {                                                           \
         paged_prefill_attention_impl<D>(out, q, k_cache, v_cache, block_tables, token_seq, token_pos, items, \
                                         max_blocks, block_size, q_heads, kv_heads, scale);                  \
+    }                                                                                                       \
+    extern "C" __global__ void __launch_bounds__(128) paged_cascade_attention_d##D(                         \
+        float* part_acc, float* part_ml, const bf16_t* q, const bf16_t* k_cache, const bf16_t* v_cache,     \
+        const u32* block_tables, const u32* token_seq, const u32* token_list, const u32* items,            \
+        int max_blocks, int block_size, int q_heads, int kv_heads, int split_len, int nslots, float scale) { \
+        paged_cascade_attention_impl<D>(part_acc, part_ml, q, k_cache, v_cache, block_tables, token_seq,   \
+                                        token_list, items, max_blocks, block_size, q_heads, kv_heads,       \
+                                        split_len, nslots, scale);                                          \
     }
 
 ATTENTION_INSTANCES(32)
@@ -958,11 +1064,11 @@ ATTENTION_INSTANCES(128)
     extern "C" __global__ void __launch_bounds__(32 * PAGED_WARPS, MINB) paged_attention_d##D##_g##GM(         \
         bf16_t* out, float* part_acc, float* part_ml, const bf16_t* q, const bf16_t* k_cache,              \
         const bf16_t* v_cache, const u32* block_tables, const u32* token_seq, const u32* token_pos,         \
-        const u32* token_list, int max_blocks, int block_size, int q_heads, int kv_heads, int split_len,    \
-        float scale) {                                                                                      \
+        const u32* token_list, const u32* key_start, int max_blocks, int block_size, int q_heads,          \
+        int kv_heads, int split_len, int nslots, float scale) {                                             \
         paged_attention_impl<D, GM>(out, part_acc, part_ml, q, k_cache, v_cache, block_tables, token_seq,  \
-                                    token_pos, token_list, max_blocks, block_size, q_heads, kv_heads,       \
-                                    split_len, scale);                                                      \
+                                    token_pos, token_list, key_start, max_blocks, block_size, q_heads,      \
+                                    kv_heads, split_len, nslots, scale);                                    \
     }
 #define PAGED_DECODE_INSTANCES(D) \
     PAGED_DECODE_INSTANCE(D, 2, 4) PAGED_DECODE_INSTANCE(D, 4, 3) PAGED_DECODE_INSTANCE(D, 8, 3)
