@@ -215,6 +215,10 @@ pub struct CudaBackend {
     /// decode step calls it once per layer, and a fresh buffer each time costs two
     /// allocations and a free-memory query per layer.
     pub(crate) paged_partials: Mutex<Option<CudaBuf>>,
+    /// The last upload of each attention work list, by name: every layer of a step gets
+    /// the same lists, so all but the first reuse them instead of an allocation and a
+    /// copy each (see [`CudaBackend::work_list`]).
+    work_lists: Mutex<HashMap<&'static str, (Vec<u32>, CudaBuf)>>,
     /// Whether paged attention reads a group's shared keys once for all its tokens
     /// (cascade); `FLOE_CASCADE=0` turns it off, to time what it gains.
     pub(crate) cascade: bool,
@@ -370,6 +374,7 @@ impl CudaBackend {
             spans: Mutex::new(Vec::new()),
             host_staging: Mutex::new(None),
             paged_partials: Mutex::new(None),
+            work_lists: Mutex::new(HashMap::new()),
             cascade: std::env::var("FLOE_CASCADE").map_or(true, |v| v != "0"),
         })
     }
@@ -609,6 +614,23 @@ impl CudaBackend {
     /// `buf`'s address as a kernel argument.
     pub(crate) fn p(&self, buf: &CudaBuf) -> Arg {
         Arg::Ptr(self.ptr(buf))
+    }
+
+    /// The device address of the index list `data`, uploaded under `name` unless the
+    /// last list of that name was the same. The address stays valid for every kernel
+    /// enqueued before the next list of that name differs (the old buffer is then freed in
+    /// stream order, after them).
+    pub(crate) fn work_list(&self, name: &'static str, data: &[u32]) -> Result<Arg> {
+        let mut lists = self.work_lists.lock().expect("poisoned");
+        if let Some((held, buf)) = lists.get(name) {
+            if held[..] == *data {
+                return Ok(self.p(buf));
+            }
+        }
+        let buf = self.upload_index_to(data)?;
+        let arg = self.p(&buf);
+        lists.insert(name, (data.to_vec(), buf));
+        Ok(arg)
     }
 
     // ---- GEMM ------------------------------------------------------------------------

@@ -101,7 +101,7 @@ const ROW_THREADS: u32 = 512;
 const WARP_ROW_THREADS: u32 = 256;
 
 impl CudaBackend {
-    fn upload_index_to(&self, data: &[u32]) -> Result<CudaBuf> {
+    pub(crate) fn upload_index_to(&self, data: &[u32]) -> Result<CudaBuf> {
         let mut buf = self.alloc(data.len(), BufKind::Index)?;
         if let Storage::U32(s) = &mut buf.storage {
             if !data.is_empty() {
@@ -798,8 +798,8 @@ impl Backend for CudaBackend {
         if lists.n_query_tiles() == 0 {
             return Ok(());
         }
-        let segs = self.upload_index_to(&lists.segs)?;
-        let items = self.upload_index_to(&lists.query_tiles)?;
+        let segs = self.work_list("attention.segs", &lists.segs)?;
+        let items = self.work_list("attention.query_tiles", &lists.query_tiles)?;
         let kernel = attention_kernel("attention_forward", head_dim);
         self.launch(
             Module::Attention,
@@ -815,8 +815,8 @@ impl Backend for CudaBackend {
                 self.p(q),
                 self.p(k),
                 self.p(v),
-                self.p(&segs),
-                self.p(&items),
+                segs,
+                items,
                 int(OP, "q_heads", q_heads)?,
                 int(OP, "kv_heads", kv_heads)?,
                 Arg::F32(scale),
@@ -872,11 +872,11 @@ impl Backend for CudaBackend {
         if lists.n_query_tiles() == 0 {
             return Ok(());
         }
-        let segs = self.upload_index_to(&lists.segs)?;
-        let items = self.upload_index_to(&lists.query_tiles)?;
-        let key_tiles = self.upload_index_to(&lists.key_tiles)?;
-        let tile_ranges = self.upload_index_to(&lists.tile_ranges)?;
-        let ranges = self.upload_index_to(&lists.ranges)?;
+        let segs = self.work_list("attention.segs", &lists.segs)?;
+        let items = self.work_list("attention.query_tiles", &lists.query_tiles)?;
+        let key_tiles = self.work_list("attention.key_tiles", &lists.key_tiles)?;
+        let tile_ranges = self.work_list("attention.tile_ranges", &lists.tile_ranges)?;
+        let ranges = self.work_list("attention.ranges", &lists.ranges)?;
         let rows = tokens * q_heads;
         let delta = self.alloc(rows, BufKind::Full)?;
         self.launch(
@@ -905,8 +905,8 @@ impl Backend for CudaBackend {
             self.p(q),
             self.p(k),
             self.p(v),
-            self.p(&segs),
-            self.p(&items),
+            segs,
+            items,
         ];
         args.extend(heads);
         self.launch(
@@ -929,10 +929,10 @@ impl Backend for CudaBackend {
             self.p(q),
             self.p(k),
             self.p(v),
-            self.p(&segs),
-            self.p(&key_tiles),
-            self.p(&tile_ranges),
-            self.p(&ranges),
+            segs,
+            key_tiles,
+            tile_ranges,
+            ranges,
         ];
         args.extend(heads);
         self.launch(
@@ -1045,7 +1045,7 @@ impl Backend for CudaBackend {
             int(OP, "kv_heads", kv_heads)?,
         ];
         if !work.prefill_tiles.is_empty() {
-            let items = self.upload_index_to(&work.prefill_tiles)?;
+            let items = self.work_list("paged.prefill_tiles", &work.prefill_tiles)?;
             let mut args = vec![
                 self.p(out),
                 self.p(q),
@@ -1054,7 +1054,7 @@ impl Backend for CudaBackend {
                 self.p(layout.block_tables),
                 self.p(layout.token_seq),
                 self.p(layout.token_pos),
-                self.p(&items),
+                items,
             ];
             args.extend(int_args);
             args.push(Arg::F32(scale));
@@ -1070,12 +1070,11 @@ impl Backend for CudaBackend {
             )?;
         }
         // The warp kernel takes the other tokens: all of them (no list), or those listed.
-        let (decode_tokens, token_list) = match &work.decode_tokens {
-            None => (tokens, None),
+        let (decode_tokens, token_list_arg) = match &work.decode_tokens {
+            None => (tokens, Arg::Ptr(0)),
             Some(list) if list.is_empty() => return Ok(()),
-            Some(list) => (list.len(), Some(self.upload_index_to(list)?)),
+            Some(list) => (list.len(), self.work_list("paged.token_list", list)?),
         };
-        let token_list_arg = token_list.as_ref().map_or(Arg::Ptr(0), |l| self.p(l));
         let group = q_heads / kv_heads;
         let blocks_per_token = kv_heads * group.div_ceil(attention::PAGED_MAX_GROUP);
         let cascade = if self.cascade {
@@ -1127,13 +1126,12 @@ impl Backend for CudaBackend {
         } else {
             (Arg::Ptr(0), Arg::Ptr(0))
         };
-        let key_start = match &cascade {
-            Some(c) => Some(self.upload_index_to(&c.key_start)?),
-            None => None,
+        let key_start_arg = match &cascade {
+            Some(c) => self.work_list("paged.key_start", &c.key_start)?,
+            None => Arg::Ptr(0),
         };
-        let key_start_arg = key_start.as_ref().map_or(Arg::Ptr(0), |k| self.p(k));
         if let Some(c) = &cascade {
-            let items = self.upload_index_to(&c.items)?;
+            let items = self.work_list("paged.cascade_items", &c.items)?;
             let mut args = vec![
                 acc,
                 ml,
@@ -1143,7 +1141,7 @@ impl Backend for CudaBackend {
                 self.p(layout.block_tables),
                 self.p(layout.token_seq),
                 token_list_arg,
-                self.p(&items),
+                items,
             ];
             args.extend(int_args);
             args.extend([
