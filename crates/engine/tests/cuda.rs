@@ -37,14 +37,16 @@ fn model_config() -> ModelConfig {
     }
 }
 
-fn requests() -> Vec<SampleRequest> {
-    (0..6u64)
+/// `count` requests of `n` samples, 24 new tokens each; request `id` has a prompt of
+/// `base + step · id` tokens.
+fn requests_of(count: u64, n: usize, base: usize, step: usize) -> Vec<SampleRequest> {
+    (0..count)
         .map(|id| SampleRequest {
             id,
-            prompt: (0..5 + 11 * id as usize)
+            prompt: (0..base + step * id as usize)
                 .map(|i| ((id as usize * 37 + i * 13 + 1) % VOCAB) as u32)
                 .collect(),
-            n: 4,
+            n,
             params: SamplingParams {
                 max_new_tokens: 24,
                 seed: Some(id),
@@ -52,6 +54,10 @@ fn requests() -> Vec<SampleRequest> {
             },
         })
         .collect()
+}
+
+fn requests() -> Vec<SampleRequest> {
+    requests_of(6, 4, 5, 11)
 }
 
 fn sampler_config(num_blocks: usize, block_size: usize, budget: usize) -> SamplerConfig {
@@ -198,20 +204,7 @@ fn sampler_on_cuda_agrees_with_the_trainer_and_the_cpu() {
 
     // Samples of long prompts decode with cascade attention (the prompt's shared keys
     // read once per group): their log-probs still match the trainer's.
-    let long: Vec<SampleRequest> = (0..2u64)
-        .map(|id| SampleRequest {
-            id,
-            prompt: (0..600 + 77 * id as usize)
-                .map(|i| ((id as usize * 29 + i * 7 + 3) % VOCAB) as u32)
-                .collect(),
-            n: 8,
-            params: SamplingParams {
-                max_new_tokens: 24,
-                seed: Some(id),
-                ..SamplingParams::default()
-            },
-        })
-        .collect();
+    let long = requests_of(2, 8, 600, 77);
     let cascade = generate(&gpu, sampler_config(256, 16, 4096), &long);
     let cascade_gap = logprob_gap(&gpu, &long, &cascade);
     eprintln!("long shared prompts: sampler vs trainer log-prob max |Δ| {cascade_gap:.2e}");

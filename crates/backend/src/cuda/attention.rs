@@ -204,6 +204,28 @@ pub(crate) struct Cascade {
     pub min_keys: usize,
 }
 
+/// Blocks of the cascade kernel an SM holds: its two stages of K and V tiles take 70 KB of
+/// shared memory at D = 128.
+const CASCADE_BLOCKS_PER_SM: usize = 3;
+/// Shortest split of the cascade's shared keys: eight key tiles, so the pipeline's first
+/// load is a small part of a block's time.
+const CASCADE_MIN_SPLIT: usize = 512;
+
+/// The split length of a cascade whose splits each take `blocks_per_split` blocks (items ×
+/// kv heads), over at most `max_keys` shared keys: as many splits as one wave of the
+/// device holds (the decode kernel's own-key blocks follow as a second launch), none
+/// shorter than [`CASCADE_MIN_SPLIT`]; a multiple of 64 keys. The decode kernel's own keys
+/// split by the same length, so a token's own keys rarely split at all.
+pub(crate) fn cascade_split_len(
+    blocks_per_split: usize,
+    max_keys: usize,
+    sm_count: usize,
+) -> usize {
+    let splits = (sm_count * CASCADE_BLOCKS_PER_SM / blocks_per_split.max(1))
+        .clamp(1, max_keys.div_ceil(CASCADE_MIN_SPLIT).max(1));
+    max_keys.div_ceil(splits).max(1).next_multiple_of(64)
+}
+
 /// The cascade of the `shared` groups (checked by the contract) with at least
 /// [`CASCADE_MIN_KEYS`] keys, over the decode kernel's tokens (`listed`, or all `tokens`
 /// without a list), `group` query heads per kv head. `None` when no group qualifies.
@@ -344,6 +366,17 @@ mod tests {
         assert_eq!(c.items, vec![0, 0, 32, 512, 4, 0, 48, 256]);
         assert_eq!((c.max_keys, c.min_keys), (512, 256));
         assert_eq!(cascade(&[group(0, 1, 4096)], None, 3, 2), None);
+    }
+
+    #[test]
+    fn cascade_splits_fill_one_wave_in_splits_of_at_least_512_keys() {
+        // 8 prompts of 4080 shared keys, 8 kv heads on an H100: 396 blocks a wave, 64 a
+        // split: 6 splits of 704 keys.
+        assert_eq!(cascade_split_len(64, 4080, 132), 704);
+        // One group, one kv head: as many splits as 512 keys allow.
+        assert_eq!(cascade_split_len(1, 4096, 132), 512);
+        // More blocks than a wave: one split.
+        assert_eq!(cascade_split_len(1000, 300, 132), 320);
     }
 
     #[test]

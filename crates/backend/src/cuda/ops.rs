@@ -1084,7 +1084,7 @@ impl Backend for CudaBackend {
         };
         // Splits of each token's keys: one split length for the cascade's shared keys
         // and the decode kernel's own (slots `shared splits..` of a grouped token), chosen
-        // to fill the device with the cascade's blocks when there is one.
+        // for the cascade's blocks when there is one.
         let (splits, split_len, slots) = match &cascade {
             None => {
                 let (splits, split_len) = attention::paged_splits(
@@ -1096,9 +1096,8 @@ impl Backend for CudaBackend {
                 (splits, split_len, splits)
             }
             Some(c) => {
-                let (_, split_len) = attention::paged_splits(
-                    c.items.len() / 4,
-                    kv_heads,
+                let split_len = attention::cascade_split_len(
+                    c.items.len() / 4 * kv_heads,
                     c.max_keys,
                     self.sm_count as usize,
                 );
@@ -1130,6 +1129,11 @@ impl Backend for CudaBackend {
             Some(c) => self.work_list("paged.key_start", &c.key_start)?,
             None => Arg::Ptr(0),
         };
+        let split_args = [
+            int(OP, "split_len", split_len)?,
+            int(OP, "slots", slots)?,
+            Arg::F32(scale),
+        ];
         if let Some(c) = &cascade {
             let items = self.work_list("paged.cascade_items", &c.items)?;
             let mut args = vec![
@@ -1144,11 +1148,7 @@ impl Backend for CudaBackend {
                 items,
             ];
             args.extend(int_args);
-            args.extend([
-                int(OP, "split_len", split_len)?,
-                int(OP, "slots", slots)?,
-                Arg::F32(scale),
-            ]);
+            args.extend(split_args);
             self.launch(
                 Module::Attention,
                 attention_kernel("paged_cascade_attention", head_dim),
@@ -1178,11 +1178,7 @@ impl Backend for CudaBackend {
             key_start_arg,
         ];
         args.extend(int_args);
-        args.extend([
-            int(OP, "split_len", split_len)?,
-            int(OP, "slots", slots)?,
-            Arg::F32(scale),
-        ]);
+        args.extend(split_args);
         self.launch(
             Module::Attention,
             attention::paged_decode_kernel(head_dim, group),

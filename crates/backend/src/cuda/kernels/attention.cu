@@ -997,11 +997,22 @@ extern "C" __global__ void paged_attention_combine(bf16_t* out, const float* par
     float l_sum = 0.0f;
     for (int s = 0; s < n; ++s) l_sum += ml[s * 2 + 1] * exp2f(ml[s * 2] - mx);
     float inv_l = 1.0f / l_sum;
+    // A lane takes 4 dims, one 16-byte load a slot (the whole row of a 128-dim head in one
+    // pass), and the unrolled slot loop keeps several loads in flight.
     const float* acc = part_acc + row * nslots * head_dim;
-    for (int d = lane; d < head_dim; d += 32) {
-        float o = 0.0f;
-        for (int s = 0; s < n; ++s) o += acc[(i64)s * head_dim + d] * exp2f(ml[s * 2] - mx);
-        out[out_row * head_dim + d] = f2bf(o * inv_l);
+    for (int d = lane * 4; d < head_dim; d += 128) {
+        float4 o = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll 4
+        for (int s = 0; s < n; ++s) {
+            float w = exp2f(ml[s * 2] - mx);
+            float4 a = *(const float4*)(acc + (i64)s * head_dim + d);
+            o.x += a.x * w;
+            o.y += a.y * w;
+            o.z += a.z * w;
+            o.w += a.w * w;
+        }
+        *(uint2*)(out + out_row * head_dim + d) =
+            make_uint2(pack_bf16(o.x * inv_l, o.y * inv_l), pack_bf16(o.z * inv_l, o.w * inv_l));
     }
 }
 
