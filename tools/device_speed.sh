@@ -4,7 +4,8 @@
 # peers. Parts (PARTS, default all):
 #   tests   the CUDA test binaries present (TESTS, default cuda_ops cuda_transformer cuda
 #           cuda_collective); full output in $OUT/<name>.log
-#   kernels cuda_ops's timing table, new and (if present) base/cuda_ops
+#   kernels cuda_ops's timing table, new and (if present) base/cuda_ops, and torch's
+#           GEMMs at the same decode shapes (decode_gemm_torch.py)
 #   gen     `floe bench generate` at the 1.7B shape: batch 64,256 × 256+256 and batch 128 ×
 #           1024+1024, new and base
 #   grpo    GRPO-shaped generation (8 prompts x 16 samples of a 4096-token prompt, 512
@@ -27,7 +28,8 @@
 #   cp the test binaries (cargo test ... --no-run prints them) to .device/<test name>
 #   a baseline build's floe (and cuda_ops) to .device/base/
 #   cp ../shared/bench/peer_torch.py ../shared/bench/wheels/liger*.whl tools/device_speed.sh \
-#     tools/host_bandwidth.py crates/server/bench/concurrent_sample.py .device/
+#     tools/host_bandwidth.py crates/server/bench/concurrent_sample.py \
+#     crates/backend/dev/decode_gemm_torch.py .device/
 # then run `bash .device/device_speed.sh` with `.device` carried. Results in $OUT/speed.log.
 cd "$(dirname "$0")"
 # Binaries travel gzipped (the carried folder is capped at 64 MiB).
@@ -58,8 +60,9 @@ if part tests; then
 fi
 if part kernels; then
   for t in ./cuda_ops base/cuda_ops; do
-    [ -x "$t" ] && TAIL=40 run 60 "$t" --ignored timing_table --nocapture
+    [ -x "$t" ] && TAIL=60 run 60 "$t" --ignored timing_table --nocapture
   done
+  [ -f decode_gemm_torch.py ] && TAIL=16 run 60 python3 decode_gemm_torch.py
 fi
 if part gen; then
   for f in $(bins); do
