@@ -9,8 +9,8 @@
 //! - [`local`]: [`LocalEngine`], the verbs in this process over one backend, and
 //!   [`AnyLocalEngine`], which opens the [`Device`] a caller names (CPU or CUDA).
 //! - [`native_api`]: the JSON wire types of floe's native HTTP API, one route per verb;
-//!   [`remote`] (feature `remote`): [`remote::RemoteEngine`], the verbs sent over that API
-//!   to `floe serve`.
+//!   `remote` (feature `remote`): `RemoteEngine`, the verbs sent over that API to
+//!   `floe serve`.
 //! - [`policy`]: the weights under training and their AdamW state, on the device or in
 //!   host memory.
 //! - [`memory_plan`]: what the device and host will hold, checked before anything is

@@ -736,7 +736,7 @@ impl<B: Backend> Engine for LocalEngine<B> {
             .run(Vec::new(), |sampler, model| sampler.run_feed(model, feed))
     }
 
-    /// On two threads when [`LocalEngine::overlaps_sampling`]: the sampler generates from
+    /// On two threads when the engine overlaps sampling with training: the sampler generates from
     /// a second handle on the policy's weight buffers ([`Transformer::share_base_on`] the
     /// sampling queue, no copy) while `training` runs on this thread. The sampling queue
     /// starts after everything queued so far (the last optimizer step's weights), and

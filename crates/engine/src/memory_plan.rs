@@ -9,7 +9,7 @@
 //! [`Transformer::training_activation_bytes`]), the backend's workspaces and the
 //! sampler's KV cache, which gets what is left of the budget. Items used only while a
 //! step runs are marked [`PlanItem::per_step`]: other engines on the device must leave
-//! them free (see [`crate::admission`]).
+//! them free (see the `admission` module).
 //!
 //! The plan also decides how many layers the backward recomputes ([`Recompute`]): with
 //! `auto`, the fewest that leave the KV cache the room it wants.

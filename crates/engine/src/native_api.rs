@@ -1,6 +1,6 @@
 //! The wire types of floe's native HTTP API: one JSON route per [`Engine`] verb, served
 //! by `floe serve` under [`NATIVE_PREFIX`] and driven by
-//! [`RemoteEngine`](crate::remote::RemoteEngine) and the Python package in `python/`.
+//! `RemoteEngine` (feature `remote`) and the Python package in `python/`.
 //!
 //! Bodies are the trait's own types in JSON. Two rules keep a remote run's numbers equal
 //! to a local run's: floats are printed shortest-round-trip and parsed exactly (serde_json's
@@ -182,7 +182,7 @@ impl From<ForwardBackwardResponse> for ForwardBackwardOutput {
 }
 
 /// Answer of `optim_step` ([`StepOutcome`] with a non-finite norm kept); the body of
-/// the request is [`floe_engine::policy::OptimParams`].
+/// the request is [`crate::policy::OptimParams`].
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct OptimStepResponse {
     /// Global gradient norm before clipping.

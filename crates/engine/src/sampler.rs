@@ -21,7 +21,10 @@
 //! requests queued right behind it with the same prompt) share the KV of the prompt's
 //! full blocks: a prefill-only sequence computes them once, and each sample then
 //! recomputes only the prompt's last partial block (between 1 and `block_size` tokens)
-//! in a block of its own before decoding (see [`crate::kv_blocks`]).
+//! in a block of its own before decoding (see [`crate::kv_blocks`]). Decoding samples
+//! stay next to each other in the step's tokens, so the model finds them as a group
+//! sharing those blocks and a backend may read the prompt's keys once for all of them
+//! ([`floe_backend::PagedLayout::shared`]).
 //!
 //! # Determinism
 //! Each sample draws token `i` with `(seed, offset = i)` from the backend's

@@ -71,7 +71,8 @@ pub struct Args {
     new: usize,
     /// Samples of each prompt (generate), as GRPO draws a group per prompt: `--batch`
     /// sequences are `batch / N` prompts of `N` samples each, which share their prompt's
-    /// KV blocks (prefix sharing).
+    /// KV blocks (prefix sharing) and, on CUDA, read them once per group (cascade
+    /// attention; `FLOE_CASCADE=0` reads them per sample).
     #[arg(long, default_value_t = 1, value_name = "N")]
     samples_per_prompt: usize,
     /// Which layers' activations the backward recomputes (train; `engine.recompute`):
