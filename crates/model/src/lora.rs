@@ -15,7 +15,7 @@
 //! Gradients exist only for A and B. With `u = s·x·Aᵀ` and `v = s·dy·B`:
 //! `dB += dyᵀ·u`, `dA += vᵀ·x`, `dx += v·A`. The base's weight-gradient products are
 //! skipped (the time and memory LoRA saves); the fused backend ops that always emit a
-//! weight gradient (RMSNorm, lm-head) write theirs into discard buffers ([`FrozenGrads`]).
+//! weight gradient (RMSNorm, lm-head) write theirs into discard buffers (`FrozenGrads`).
 //! The unembed adapter's gradient is projected from the lm-head's weight gradient `G`:
 //! `dB += s·G·Aᵀ`, `dA += s·Bᵀ·G`.
 //!

@@ -1,6 +1,6 @@
 //! Rollouts: prompts in, scored trajectories out.
 //!
-//! Each trajectory is one request of one sample to [`Engine::sample`], seeded from
+//! Each trajectory is one request of one sample to [`floe_engine::Engine::sample`], seeded from
 //! `(run seed, step, prompt, sample, turn)` so a run (or a resumed run) draws the same
 //! samples whatever else is in flight. As each sample finishes, its environment step is
 //! handed to the streaming [`Scorer`], so SQL execution overlaps generation. Multi-turn
@@ -128,7 +128,7 @@ pub struct Trajectory {
 /// Seconds spent generating and then waiting on scoring that had not overlapped.
 #[derive(Clone, Copy, Debug, Default, Serialize, Deserialize)]
 pub struct RolloutTiming {
-    /// Wall time inside [`Engine::sample`].
+    /// Wall time inside [`floe_engine::Engine::sample`].
     pub generate: f64,
     /// Wall time waiting for environment steps after sampling returned.
     pub score: f64,

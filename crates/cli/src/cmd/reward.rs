@@ -26,7 +26,7 @@ pub enum Command {
     /// empty db_path scores 0.0 with format_correct false. Output rows:
     /// {"id", "score", "format_correct", "execution_success"}.
     Text2sql(Text2SqlArgs),
-    /// Score GSM8K responses (strict "#### <number>", exact match).
+    /// Score GSM8K responses (strict `#### <number>`, exact match).
     ///
     /// Input rows: {"id", "response", "ground_truth"}. Output rows: {"id", "score"}.
     Gsm8k(Gsm8kArgs),
