@@ -217,11 +217,35 @@ pub struct CudaBackend {
     pub(crate) paged_partials: Mutex<Option<CudaBuf>>,
     /// The last upload of each attention work list, by name: every layer of a step gets
     /// the same lists, so all but the first reuse them instead of an allocation and a
-    /// copy each (see [`CudaBackend::work_list`]).
+    /// copy each (see [`CudaBackend::work_lists`]).
     work_lists: Mutex<HashMap<&'static str, (Vec<u32>, CudaBuf)>>,
     /// Whether paged attention reads a group's shared keys once for all its tokens
     /// (cascade); `FLOE_CASCADE=0` turns it off, to time what it gains.
     pub(crate) cascade: bool,
+}
+
+/// The attention work lists of one op (see [`CudaBackend::work_lists`]).
+pub(crate) struct WorkLists<'a> {
+    backend: &'a CudaBackend,
+    held: std::sync::MutexGuard<'a, HashMap<&'static str, (Vec<u32>, CudaBuf)>>,
+}
+
+impl WorkLists<'_> {
+    /// The device address of the index list `data`, uploaded under `name` unless the
+    /// last list of that name was the same. It stays valid for every kernel enqueued
+    /// before the next list of that name differs (the old buffer is then freed in stream
+    /// order, after them).
+    pub(crate) fn upload(&mut self, name: &'static str, data: &[u32]) -> Result<Arg> {
+        if let Some((held, buf)) = self.held.get(name) {
+            if held[..] == *data {
+                return Ok(self.backend.p(buf));
+            }
+        }
+        let buf = self.backend.upload_index_to(data)?;
+        let arg = self.backend.p(&buf);
+        self.held.insert(name, (data.to_vec(), buf));
+        Ok(arg)
+    }
 }
 
 /// Elements of one chunk that [`crate::Backend::adamw_host`] streams through the host.
@@ -616,21 +640,13 @@ impl CudaBackend {
         Arg::Ptr(self.ptr(buf))
     }
 
-    /// The device address of the index list `data`, uploaded under `name` unless the
-    /// last list of that name was the same. The address stays valid for every kernel
-    /// enqueued before the next list of that name differs (the old buffer is then freed in
-    /// stream order, after them).
-    pub(crate) fn work_list(&self, name: &'static str, data: &[u32]) -> Result<Arg> {
-        let mut lists = self.work_lists.lock().expect("poisoned");
-        if let Some((held, buf)) = lists.get(name) {
-            if held[..] == *data {
-                return Ok(self.p(buf));
-            }
+    /// The per-step work lists, held for one op: its launches read them, so no other
+    /// thread may replace one meanwhile (see [`WorkLists::upload`]).
+    pub(crate) fn work_lists(&self) -> WorkLists<'_> {
+        WorkLists {
+            backend: self,
+            held: self.work_lists.lock().expect("poisoned"),
         }
-        let buf = self.upload_index_to(data)?;
-        let arg = self.p(&buf);
-        lists.insert(name, (data.to_vec(), buf));
-        Ok(arg)
     }
 
     // ---- GEMM ------------------------------------------------------------------------

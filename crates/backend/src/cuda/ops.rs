@@ -798,8 +798,9 @@ impl Backend for CudaBackend {
         if lists.n_query_tiles() == 0 {
             return Ok(());
         }
-        let segs = self.work_list("attention.segs", &lists.segs)?;
-        let items = self.work_list("attention.query_tiles", &lists.query_tiles)?;
+        let mut held = self.work_lists();
+        let segs = held.upload("attention.segs", &lists.segs)?;
+        let items = held.upload("attention.query_tiles", &lists.query_tiles)?;
         let kernel = attention_kernel("attention_forward", head_dim);
         self.launch(
             Module::Attention,
@@ -872,11 +873,12 @@ impl Backend for CudaBackend {
         if lists.n_query_tiles() == 0 {
             return Ok(());
         }
-        let segs = self.work_list("attention.segs", &lists.segs)?;
-        let items = self.work_list("attention.query_tiles", &lists.query_tiles)?;
-        let key_tiles = self.work_list("attention.key_tiles", &lists.key_tiles)?;
-        let tile_ranges = self.work_list("attention.tile_ranges", &lists.tile_ranges)?;
-        let ranges = self.work_list("attention.ranges", &lists.ranges)?;
+        let mut held = self.work_lists();
+        let segs = held.upload("attention.segs", &lists.segs)?;
+        let items = held.upload("attention.query_tiles", &lists.query_tiles)?;
+        let key_tiles = held.upload("attention.key_tiles", &lists.key_tiles)?;
+        let tile_ranges = held.upload("attention.tile_ranges", &lists.tile_ranges)?;
+        let ranges = held.upload("attention.ranges", &lists.ranges)?;
         let rows = tokens * q_heads;
         let delta = self.alloc(rows, BufKind::Full)?;
         self.launch(
@@ -1038,6 +1040,7 @@ impl Backend for CudaBackend {
             scale,
         } = shape;
         let work = attention::paged_work(layout.runs, tokens);
+        let mut held = self.work_lists();
         let int_args = [
             int(OP, "max_blocks", layout.max_blocks)?,
             int(OP, "block_size", layout.block_size)?,
@@ -1045,7 +1048,7 @@ impl Backend for CudaBackend {
             int(OP, "kv_heads", kv_heads)?,
         ];
         if !work.prefill_tiles.is_empty() {
-            let items = self.work_list("paged.prefill_tiles", &work.prefill_tiles)?;
+            let items = held.upload("paged.prefill_tiles", &work.prefill_tiles)?;
             let mut args = vec![
                 self.p(out),
                 self.p(q),
@@ -1073,7 +1076,7 @@ impl Backend for CudaBackend {
         let (decode_tokens, token_list_arg) = match &work.decode_tokens {
             None => (tokens, Arg::Ptr(0)),
             Some(list) if list.is_empty() => return Ok(()),
-            Some(list) => (list.len(), self.work_list("paged.token_list", list)?),
+            Some(list) => (list.len(), held.upload("paged.token_list", list)?),
         };
         let group = q_heads / kv_heads;
         let blocks_per_token = kv_heads * group.div_ceil(attention::PAGED_MAX_GROUP);
@@ -1126,7 +1129,7 @@ impl Backend for CudaBackend {
             (Arg::Ptr(0), Arg::Ptr(0))
         };
         let key_start_arg = match &cascade {
-            Some(c) => self.work_list("paged.key_start", &c.key_start)?,
+            Some(c) => held.upload("paged.key_start", &c.key_start)?,
             None => Arg::Ptr(0),
         };
         let split_args = [
@@ -1135,7 +1138,7 @@ impl Backend for CudaBackend {
             Arg::F32(scale),
         ];
         if let Some(c) = &cascade {
-            let items = self.work_list("paged.cascade_items", &c.items)?;
+            let items = held.upload("paged.cascade_items", &c.items)?;
             let mut args = vec![
                 acc,
                 ml,
