@@ -12,7 +12,7 @@
 use std::time::Instant;
 
 use floe_backend::cpu::CpuBackend;
-use floe_backend::cuda::CudaBackend;
+use floe_backend::cuda::{CudaBackend, CudaBuf};
 use floe_backend::sampling::GAMMA;
 use floe_backend::{
     AdamW, AttnShape, Backend, BufKind, LmHead, Matmul, PagedLayout, QueryRun, Sampled,
@@ -1248,6 +1248,28 @@ fn time(g: &CudaBackend, reps: usize, mut f: impl FnMut()) -> f64 {
     times[reps / 2]
 }
 
+/// Times a layer projection `C[m×n] = A[m×k]·W[n×k]ᵀ` on random bf16 operands: the
+/// median seconds a call, and A and C for the weight-gradient timing.
+fn time_projection(
+    g: &CudaBackend,
+    rng: &mut Rng,
+    (m, n, k): (usize, usize, usize),
+    reps: usize,
+) -> (f64, CudaBuf, CudaBuf) {
+    let a = g.upload(&rng.vec(m * k, 1.0), BufKind::Compute).unwrap();
+    let w = g.upload(&rng.vec(n * k, 1.0), BufKind::Compute).unwrap();
+    let mut c = g.zeros(m * n, BufKind::Compute).unwrap();
+    let dims = Matmul {
+        m,
+        n,
+        k,
+        trans_a: false,
+        trans_b: true,
+    };
+    let s = time(g, reps, || g.matmul(&mut c, &a, &w, dims, false).unwrap());
+    (s, a, c)
+}
+
 /// Timing table at Qwen3-0.6B/1.7B shapes: T = 8 × 2048 packed tokens, 16 q / 8 kv heads
 /// of 128. Run with `--ignored` on a GPU machine.
 #[test]
@@ -1269,17 +1291,7 @@ fn timing_table() {
             ("gate+up proj", 2 * inter, hidden),
             ("down proj", hidden, inter),
         ] {
-            let a = rand(&mut rng, tokens * k, BufKind::Compute);
-            let w = rand(&mut rng, n * k, BufKind::Compute);
-            let mut c = g.zeros(tokens * n, BufKind::Compute).unwrap();
-            let dims = Matmul {
-                m: tokens,
-                n,
-                k,
-                trans_a: false,
-                trans_b: true,
-            };
-            let s = time(&g, 20, || g.matmul(&mut c, &a, &w, dims, false).unwrap());
+            let (s, a, c) = time_projection(&g, &mut rng, (tokens, n, k), 20);
             let flops = 2.0 * (tokens * n * k) as f64;
             println!(
                 "{:<44} {:>10.3} {:>8.1} TFLOP/s",
@@ -1505,17 +1517,7 @@ fn timing_table() {
             ("gate or up", 6144, 2048),
             ("down", 2048, 6144),
         ] {
-            let a = rand(&mut rng, m * k, BufKind::Compute);
-            let w = rand(&mut rng, n * k, BufKind::Compute);
-            let mut c = g.zeros(m * n, BufKind::Compute).unwrap();
-            let dims = Matmul {
-                m,
-                n,
-                k,
-                trans_a: false,
-                trans_b: true,
-            };
-            let s = time(&g, 50, || g.matmul(&mut c, &a, &w, dims, false).unwrap());
+            let (s, _, _) = time_projection(&g, &mut rng, (m, n, k), 50);
             println!(
                 "{:<44} {:>10.4} {:>8.1} GB/s {:>6.1} TFLOP/s",
                 format!("decode gemm {name} [{m}x{k}]·[{n}x{k}]ᵀ"),
