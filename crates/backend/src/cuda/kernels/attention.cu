@@ -733,13 +733,15 @@ __device__ void attention_backward_dkdv_impl(bf16_t* dk, bf16_t* dv, const bf16_
 // (each round halves the values a lane keeps), which leaves each key's score in a known
 // lane; the P·V step fetches it from there.
 // The running max is warp-uniform and the denominator stays per lane (counted once per key)
-// until the end. With one split the block writes `out`; otherwise it writes its
-// unnormalised accumulator and (max, sum) to `part_acc` / `part_ml`, and
-// `paged_attention_combine` merges the splits of each query head. Split boundaries are
-// multiples of `split_len` keys and the warps' turns are fixed, so a token's result depends
-// on its context and `split_len` only.
+// until the end. Without `part_acc` (one split, no cascade) the block writes `out`;
+// otherwise it writes its unnormalised accumulator and (max, sum) to `part_acc` /
+// `part_ml` in its slot, and `paged_attention_combine` merges the slots of each query head.
+// Split boundaries are `split_len` keys apart from the token's first own key and the warps'
+// turns are fixed, so a token's result depends on its context, its group's shared keys and
+// `split_len` only.
 // With `token_list` set, block x takes token token_list[x]: the call's long prefill runs
-// went to `paged_prefill_attention`.
+// went to `paged_prefill_attention`. With `key_start` set, the token's keys before
+// key_start[x] are its group's shared ones, which `paged_cascade_attention` took.
 #define PAGED_WARPS 4  // warps of a block, all on one (token, kv head, split)
 #define PAGED_GMAX 8   // most query heads per kv head a block takes (Qwen3-32B: 64 / 8)
 
