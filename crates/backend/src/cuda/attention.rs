@@ -226,6 +226,28 @@ pub(crate) fn cascade_split_len(
     max_keys.div_ceil(splits).max(1).next_multiple_of(64)
 }
 
+impl Cascade {
+    /// How the call's keys split: `(splits, split_len, slots)`. One `split_len`
+    /// ([`cascade_split_len`]) for the shared keys and the decode kernel's own; the decode
+    /// kernel takes `splits` splits of the longest own context (`max_context` less the
+    /// fewest shared keys), and a token's partials need `slots`: its group's shared splits,
+    /// then its own (`paged_attention_combine` counts them the same way).
+    pub fn splits(
+        &self,
+        kv_heads: usize,
+        max_context: usize,
+        sm_count: usize,
+    ) -> (usize, usize, usize) {
+        let split_len = cascade_split_len(self.items.len() / 4 * kv_heads, self.max_keys, sm_count);
+        let splits = (max_context - self.min_keys).div_ceil(split_len);
+        (
+            splits,
+            split_len,
+            self.max_keys.div_ceil(split_len) + splits,
+        )
+    }
+}
+
 /// The cascade of the `shared` groups (checked by the contract) with at least
 /// [`CASCADE_MIN_KEYS`] keys, over the decode kernel's tokens (`listed`, or all `tokens`
 /// without a list), `group` query heads per kv head. `None` when no group qualifies.
@@ -353,6 +375,9 @@ mod tests {
         assert!(c.key_start[1..41].iter().all(|&k| k == 4096));
         assert_eq!(&c.key_start[41..], &[0, 0]);
         assert_eq!((c.max_keys, c.min_keys), (4096, 0));
+        // Token 0 decodes at up to 4200 keys, all its own: 9 splits of 512; a grouped
+        // token needs 8 shared slots and at most 9 own ones.
+        assert_eq!(c.splits(8, 4200, 132), (9, 512, 17));
         // With a list (a prefill run at tokens 0..20), groups are found by their place in
         // it; every listed token grouped.
         let listed: Vec<u32> = (20..30).collect();

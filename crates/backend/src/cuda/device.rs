@@ -217,20 +217,20 @@ pub struct CudaBackend {
     pub(crate) paged_partials: Mutex<Option<CudaBuf>>,
     /// The last upload of each attention work list, by name: every layer of a step gets
     /// the same lists, so all but the first reuse them instead of an allocation and a
-    /// copy each (see [`CudaBackend::work_lists`]).
-    work_lists: Mutex<HashMap<&'static str, (Vec<u32>, CudaBuf)>>,
+    /// copy each (see [`CudaBackend::uploaded_lists`]).
+    uploaded_lists: Mutex<HashMap<&'static str, (Vec<u32>, CudaBuf)>>,
     /// Whether paged attention reads a group's shared keys once for all its tokens
     /// (cascade); `FLOE_CASCADE=0` turns it off, to time what it gains.
     pub(crate) cascade: bool,
 }
 
-/// The attention work lists of one op (see [`CudaBackend::work_lists`]).
-pub(crate) struct WorkLists<'a> {
+/// The uploaded attention work lists, held by one op (see [`CudaBackend::uploaded_lists`]).
+pub(crate) struct UploadedLists<'a> {
     backend: &'a CudaBackend,
     held: std::sync::MutexGuard<'a, HashMap<&'static str, (Vec<u32>, CudaBuf)>>,
 }
 
-impl WorkLists<'_> {
+impl UploadedLists<'_> {
     /// The device address of the index list `data`, uploaded under `name` unless the
     /// last list of that name was the same. It stays valid for every kernel enqueued
     /// before the next list of that name differs (the old buffer is then freed in stream
@@ -398,7 +398,7 @@ impl CudaBackend {
             spans: Mutex::new(Vec::new()),
             host_staging: Mutex::new(None),
             paged_partials: Mutex::new(None),
-            work_lists: Mutex::new(HashMap::new()),
+            uploaded_lists: Mutex::new(HashMap::new()),
             cascade: std::env::var("FLOE_CASCADE").map_or(true, |v| v != "0"),
         })
     }
@@ -641,11 +641,11 @@ impl CudaBackend {
     }
 
     /// The per-step work lists, held for one op: its launches read them, so no other
-    /// thread may replace one meanwhile (see [`WorkLists::upload`]).
-    pub(crate) fn work_lists(&self) -> WorkLists<'_> {
-        WorkLists {
+    /// thread may replace one meanwhile (see [`UploadedLists::upload`]).
+    pub(crate) fn uploaded_lists(&self) -> UploadedLists<'_> {
+        UploadedLists {
             backend: self,
-            held: self.work_lists.lock().expect("poisoned"),
+            held: self.uploaded_lists.lock().expect("poisoned"),
         }
     }
 

@@ -798,7 +798,7 @@ impl Backend for CudaBackend {
         if lists.n_query_tiles() == 0 {
             return Ok(());
         }
-        let mut held = self.work_lists();
+        let mut held = self.uploaded_lists();
         let segs = held.upload("attention.segs", &lists.segs)?;
         let items = held.upload("attention.query_tiles", &lists.query_tiles)?;
         let kernel = attention_kernel("attention_forward", head_dim);
@@ -873,7 +873,7 @@ impl Backend for CudaBackend {
         if lists.n_query_tiles() == 0 {
             return Ok(());
         }
-        let mut held = self.work_lists();
+        let mut held = self.uploaded_lists();
         let segs = held.upload("attention.segs", &lists.segs)?;
         let items = held.upload("attention.query_tiles", &lists.query_tiles)?;
         let key_tiles = held.upload("attention.key_tiles", &lists.key_tiles)?;
@@ -1040,7 +1040,7 @@ impl Backend for CudaBackend {
             scale,
         } = shape;
         let work = attention::paged_work(layout.runs, tokens);
-        let mut held = self.work_lists();
+        let mut held = self.uploaded_lists();
         let int_args = [
             int(OP, "max_blocks", layout.max_blocks)?,
             int(OP, "block_size", layout.block_size)?,
@@ -1085,9 +1085,7 @@ impl Backend for CudaBackend {
         } else {
             None
         };
-        // Splits of each token's keys: one split length for the cascade's shared keys
-        // and the decode kernel's own (slots `shared splits..` of a grouped token), chosen
-        // for the cascade's blocks when there is one.
+        // Splits of each token's keys, and the partial slots a token needs.
         let (splits, split_len, slots) = match &cascade {
             None => {
                 let (splits, split_len) = attention::paged_splits(
@@ -1098,16 +1096,7 @@ impl Backend for CudaBackend {
                 );
                 (splits, split_len, splits)
             }
-            Some(c) => {
-                let split_len = attention::cascade_split_len(
-                    c.items.len() / 4 * kv_heads,
-                    c.max_keys,
-                    self.sm_count as usize,
-                );
-                let own_context = layout.max_context - c.min_keys;
-                let splits = own_context.div_ceil(split_len);
-                (splits, split_len, c.max_keys.div_ceil(split_len) + splits)
-            }
+            Some(c) => c.splits(kv_heads, layout.max_context, self.sm_count as usize),
         };
         // Partials (more than one slot, or a cascade) are unnormalised accumulators that
         // the combine pass merges: per row of the listed tokens, `head_dim` of them per
