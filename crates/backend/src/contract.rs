@@ -299,6 +299,24 @@ pub fn rope(
     len(OP, "x", x, tokens * heads * head_dim)
 }
 
+/// [`Backend::qk_norm_rope`], one side (q or k) at a time: the lengths of
+/// [`rmsnorm_forward`] over `tokens × heads` rows and of [`rope`].
+#[allow(clippy::too_many_arguments)]
+pub fn qk_norm_rope_side(
+    out: usize,
+    rstd: usize,
+    raw: usize,
+    norm: usize,
+    positions: usize,
+    inv_freq: usize,
+    tokens: usize,
+    heads: usize,
+    head_dim: usize,
+) -> Result<()> {
+    rmsnorm_forward(out, rstd, raw, norm, tokens * heads, head_dim)?;
+    rope(out, positions, inv_freq, tokens, heads, head_dim)
+}
+
 /// Packed attention: `q_like` buffers are `[T, q_heads, D]`, `kv_like` ones
 /// `[T, kv_heads, D]`.
 fn packed_attention(

@@ -165,6 +165,20 @@ pub struct SharedKeys {
     pub keys: u32,
 }
 
+/// One side, q or k, of [`Backend::qk_norm_rope`]: `heads` rows of `head_dim` a token.
+pub struct NormedHeads<'a, B: Backend + ?Sized> {
+    /// `[T, heads, head_dim]`, written: the normalized, rotated heads.
+    pub out: &'a mut B::Buf,
+    /// `[T × heads]` Full, written: each row's `1 / rms` for the backward.
+    pub rstd: &'a mut B::Buf,
+    /// `[T, heads, head_dim]`: the projection's output.
+    pub raw: &'a B::Buf,
+    /// `[head_dim]`: the norm's weight.
+    pub norm: &'a B::Buf,
+    /// Heads a token.
+    pub heads: usize,
+}
+
 /// Shape and options of the fused lm-head log-prob/entropy op.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct LmHead {
@@ -454,6 +468,33 @@ pub trait Backend: Send + Sync + 'static {
         head_dim: usize,
         inverse: bool,
     ) -> Result<()>;
+
+    /// Qwen3's per-head RMSNorm then RoPE, of q and of k: `out = rope(rmsnorm(raw, norm))`
+    /// with [`Backend::rmsnorm_forward`]'s `rstd` saved. The default runs those two ops on
+    /// each side; a backend may fuse all four into one pass (CUDA does: decode steps are
+    /// short enough that launches count).
+    #[allow(clippy::too_many_arguments)]
+    fn qk_norm_rope(
+        &self,
+        q: NormedHeads<'_, Self>,
+        k: NormedHeads<'_, Self>,
+        positions: &Self::Buf,
+        inv_freq: &Self::Buf,
+        tokens: usize,
+        head_dim: usize,
+        eps: f32,
+    ) -> Result<()> {
+        for side in [q, k] {
+            let rows = tokens * side.heads;
+            self.rmsnorm_forward(
+                side.out, side.rstd, side.raw, side.norm, rows, head_dim, eps,
+            )?;
+            self.rope(
+                side.out, positions, inv_freq, tokens, side.heads, head_dim, false,
+            )?;
+        }
+        Ok(())
+    }
 
     // ---- attention over packed segments ----------------------------------------------
 

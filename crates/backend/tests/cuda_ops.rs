@@ -15,8 +15,8 @@ use floe_backend::cpu::CpuBackend;
 use floe_backend::cuda::{CudaBackend, CudaBuf};
 use floe_backend::sampling::GAMMA;
 use floe_backend::{
-    AdamW, AttnShape, Backend, BufKind, LmHead, Matmul, PagedLayout, QueryRun, Sampled,
-    SamplingRow, Segment, SharedKeys,
+    AdamW, AttnShape, Backend, BufKind, LmHead, Matmul, NormedHeads, PagedLayout, QueryRun,
+    Sampled, SamplingRow, Segment, SharedKeys,
 };
 
 fn gpu() -> Option<CudaBackend> {
@@ -489,6 +489,77 @@ fn rope_forward_inverse() {
             &x,
             TOL,
         );
+    }
+}
+
+fn qk_norm_rope_case<B: Backend>(
+    b: &B,
+    raw: [&[f32]; 2],
+    norm: [&[f32]; 2],
+    heads: [usize; 2],
+    pos: &[u32],
+    inv: &[f32],
+    hd: usize,
+) -> Vec<Vec<f32>> {
+    let t = pos.len();
+    let p = b.upload_index(pos).unwrap();
+    let f = b.upload(inv, BufKind::Full).unwrap();
+    let up = |x: &[f32], kind| b.upload(x, kind).unwrap();
+    let (raw_q, raw_k) = (up(raw[0], BufKind::Compute), up(raw[1], BufKind::Compute));
+    let (w_q, w_k) = (up(norm[0], BufKind::Compute), up(norm[1], BufKind::Compute));
+    let mut out_q = up(&nan(t * heads[0] * hd), BufKind::Compute);
+    let mut out_k = up(&nan(t * heads[1] * hd), BufKind::Compute);
+    let mut rstd_q = up(&nan(t * heads[0]), BufKind::Full);
+    let mut rstd_k = up(&nan(t * heads[1]), BufKind::Full);
+    let q = NormedHeads {
+        out: &mut out_q,
+        rstd: &mut rstd_q,
+        raw: &raw_q,
+        norm: &w_q,
+        heads: heads[0],
+    };
+    let k = NormedHeads {
+        out: &mut out_k,
+        rstd: &mut rstd_k,
+        raw: &raw_k,
+        norm: &w_k,
+        heads: heads[1],
+    };
+    b.qk_norm_rope(q, k, &p, &f, t, hd, 1e-6).unwrap();
+    [&out_q, &rstd_q, &out_k, &rstd_k]
+        .iter()
+        .map(|x| b.download(x).unwrap())
+        .collect()
+}
+
+#[test]
+fn qk_norm_rope_fuses_norm_and_rope() {
+    let Some(g) = gpu() else { return };
+    let c = CpuBackend::<f32>::new();
+    let mut rng = Rng::new(17);
+    // Qwen3-1.7B's heads (16 q, 8 kv of 128), 32B's grouping at a few tokens, and d=64.
+    for (tokens, hq, hkv, hd) in [(130, 16, 8, 128), (3, 64, 8, 128), (40, 4, 2, 64)] {
+        let raw_q = rng.vec(tokens * hq * hd, 2.0);
+        let raw_k = rng.vec(tokens * hkv * hd, 2.0);
+        let w = |rng: &mut Rng| -> Vec<f32> {
+            rng.vec(hd, 0.5).iter().map(|v| bf16(1.0 + v)).collect()
+        };
+        let (w_q, w_k) = (w(&mut rng), w(&mut rng));
+        let pos: Vec<u32> = (0..tokens).map(|_| rng.below(32768)).collect();
+        let inv: Vec<f32> = (0..hd / 2)
+            .map(|i| 1e6f32.powf(-2.0 * i as f32 / hd as f32))
+            .collect();
+        let (raw, norm) = ([&raw_q[..], &raw_k], [&w_q[..], &w_k]);
+        let gr = qk_norm_rope_case(&g, raw, norm, [hq, hkv], &pos, &inv, hd);
+        let cr = qk_norm_rope_case(&c, raw, norm, [hq, hkv], &pos, &inv, hd);
+        for (i, name) in ["q", "q rstd", "k", "k rstd"].iter().enumerate() {
+            check(
+                &format!("qk_norm_rope {tokens}x({hq}+{hkv})x{hd} {name}"),
+                &gr[i],
+                &cr[i],
+                TOL,
+            );
+        }
     }
 }
 

@@ -33,7 +33,9 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use floe_backend::{AttnShape, Backend, BufKind, LmHead, Matmul, PagedLayout, Segment};
+use floe_backend::{
+    AttnShape, Backend, BufKind, LmHead, Matmul, NormedHeads, PagedLayout, Segment,
+};
 use rand_xoshiro::rand_core::{RngCore, SeedableRng};
 use rand_xoshiro::SplitMix64;
 
@@ -963,14 +965,35 @@ impl<B: Backend> Transformer<B> {
         if let Some(bias) = &w.bv {
             b.add_bias(&mut a.v, bias, t, kv)?;
         }
-        if let (Some(q_raw), Some(q_rstd), Some(q_norm)) = (&a.q_raw, &mut a.q_rstd, &w.q_norm) {
-            b.rmsnorm_forward(&mut a.q, q_rstd, q_raw, q_norm, t * hq, hd, eps)?;
+        match (
+            (&a.q_raw, &mut a.q_rstd, &w.q_norm),
+            (&a.k_raw, &mut a.k_rstd, &w.k_norm),
+        ) {
+            (
+                (Some(q_raw), Some(q_rstd), Some(q_norm)),
+                (Some(k_raw), Some(k_rstd), Some(k_norm)),
+            ) => {
+                let q = NormedHeads {
+                    out: &mut a.q,
+                    rstd: q_rstd,
+                    raw: q_raw,
+                    norm: q_norm,
+                    heads: hq,
+                };
+                let k = NormedHeads {
+                    out: &mut a.k,
+                    rstd: k_rstd,
+                    raw: k_raw,
+                    norm: k_norm,
+                    heads: hkv,
+                };
+                b.qk_norm_rope(q, k, positions, &self.inv_freq, t, hd, eps)?;
+            }
+            _ => {
+                b.rope(&mut a.q, positions, &self.inv_freq, t, hq, hd, false)?;
+                b.rope(&mut a.k, positions, &self.inv_freq, t, hkv, hd, false)?;
+            }
         }
-        if let (Some(k_raw), Some(k_rstd), Some(k_norm)) = (&a.k_raw, &mut a.k_rstd, &w.k_norm) {
-            b.rmsnorm_forward(&mut a.k, k_rstd, k_raw, k_norm, t * hkv, hd, eps)?;
-        }
-        b.rope(&mut a.q, positions, &self.inv_freq, t, hq, hd, false)?;
-        b.rope(&mut a.k, positions, &self.inv_freq, t, hkv, hd, false)?;
         let shape = self.attn_shape(t);
         match attend {
             Attend::Packed {

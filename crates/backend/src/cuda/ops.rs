@@ -13,8 +13,8 @@ use super::device::{
 use crate::contract::{self, Ids, PagedLens};
 use crate::host_adamw::{self, AdamWTerms, Rounded};
 use crate::{
-    sampling, AdamW, AttnShape, Backend, BufKind, Error, LmHead, Matmul, PagedLayout, Result,
-    Sampled, SamplingRow, Segment,
+    sampling, AdamW, AttnShape, Backend, BufKind, Error, LmHead, Matmul, NormedHeads, PagedLayout,
+    Result, Sampled, SamplingRow, Segment,
 };
 
 fn need(op: &'static str, arg: &'static str, buf: &CudaBuf, kind: BufKind) -> Result<()> {
@@ -767,6 +767,60 @@ impl Backend for CudaBackend {
                 int(OP, "head_dim", head_dim)?,
                 Arg::I32(inverse as i32),
             ],
+        )
+    }
+
+    fn qk_norm_rope(
+        &self,
+        q: NormedHeads<'_, Self>,
+        k: NormedHeads<'_, Self>,
+        positions: &CudaBuf,
+        inv_freq: &CudaBuf,
+        tokens: usize,
+        head_dim: usize,
+        eps: f32,
+    ) -> Result<()> {
+        const OP: &str = "qk_norm_rope";
+        need(OP, "positions", positions, BufKind::Index)?;
+        need(OP, "inv_freq", inv_freq, BufKind::Full)?;
+        let mut args = Vec::with_capacity(22);
+        for side in [&q, &k] {
+            args.extend([
+                self.p(side.out),
+                float(OP, "out", side.out)?,
+                self.p(side.rstd),
+                self.p(side.raw),
+                float(OP, "raw", side.raw)?,
+                self.p(side.norm),
+                float(OP, "norm", side.norm)?,
+                int(OP, "heads", side.heads)?,
+            ]);
+            need(OP, "rstd", side.rstd, BufKind::Full)?;
+            contract::qk_norm_rope_side(
+                side.out.len,
+                side.rstd.len,
+                side.raw.len,
+                side.norm.len,
+                positions.len,
+                inv_freq.len,
+                tokens,
+                side.heads,
+                head_dim,
+            )?;
+        }
+        args.extend([
+            self.p(positions),
+            self.p(inv_freq),
+            int(OP, "tokens", tokens)?,
+            int(OP, "head_dim", head_dim)?,
+            Arg::F32(eps),
+        ]);
+        let rows = tokens * (q.heads + k.heads);
+        self.launch(
+            Module::NormRope,
+            "qk_norm_rope",
+            self.warp_rows(rows),
+            &args,
         )
     }
 

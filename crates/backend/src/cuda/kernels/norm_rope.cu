@@ -143,3 +143,42 @@ extern "C" __global__ void rope(void* x, int xdt, const u32* positions, const fl
         stf(x, xdt, base + i + half, x2 * c + x1 * s);
     }
 }
+
+// Qwen3's per-head RMSNorm then RoPE, for q and k in one launch: one warp per (token,
+// head) row, q's rows first. The normalized value stays in f32 until the rotation, so
+// the output is rounded once instead of twice (the unfused ops store it in between).
+extern "C" __global__ void qk_norm_rope(void* q, int qdt, float* q_rstd, const void* q_raw, int qrdt,
+                                        const void* q_w, int qwdt, int q_heads, void* k, int kdt, float* k_rstd,
+                                        const void* k_raw, int krdt, const void* k_w, int kwdt, int k_heads,
+                                        const u32* positions, const float* inv_freq, int tokens, int head_dim,
+                                        float eps) {
+    int lane = threadIdx.x & 31;
+    int warps = blockDim.x >> 5;
+    int half = head_dim / 2;
+    i64 q_rows = (i64)tokens * q_heads, rows = q_rows + (i64)tokens * k_heads;
+    for (i64 r = blockIdx.x * (i64)warps + (threadIdx.x >> 5); r < rows; r += (i64)gridDim.x * warps) {
+        bool is_q = r < q_rows;
+        i64 row = is_q ? r : r - q_rows;
+        void* out = is_q ? q : k;
+        const void *raw = is_q ? q_raw : k_raw, *w = is_q ? q_w : k_w;
+        int odt = is_q ? qdt : kdt, rdt = is_q ? qrdt : krdt, wdt = is_q ? qwdt : kwdt;
+        float pos = (float)positions[row / (is_q ? q_heads : k_heads)];
+        i64 base = row * head_dim;
+        float ss = 0.0f;
+        for (int i = lane; i < head_dim; i += 32) {
+            float v = ldf(raw, rdt, base + i);
+            ss = fmaf(v, v, ss);
+        }
+        ss = warp_sum(ss);
+        float rs = rsqrtf(ss / (float)head_dim + eps);
+        if (lane == 0) (is_q ? q_rstd : k_rstd)[row] = rs;
+        for (int i = lane; i < half; i += 32) {
+            float x1 = ldf(raw, rdt, base + i) * rs * ldf(w, wdt, i);
+            float x2 = ldf(raw, rdt, base + i + half) * rs * ldf(w, wdt, i + half);
+            float s, c;
+            sincosf(pos * inv_freq[i], &s, &c);
+            stf(out, odt, base + i, x1 * c - x2 * s);
+            stf(out, odt, base + i + half, x2 * c + x1 * s);
+        }
+    }
+}
