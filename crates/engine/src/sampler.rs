@@ -305,6 +305,10 @@ pub struct SamplerStats {
     pub cancelled: u64,
     /// Time in the model's forward and sampling.
     pub model_time: Duration,
+    /// Of `model_time`, the host's time queueing the forward's ops (a device backend runs
+    /// them meanwhile; sampling then waits for them). Near `model_time`, the host sets the
+    /// pace and the device waits on it.
+    pub enqueue_time: Duration,
     /// Time in [`Sampler::step`] overall (scheduling, model, stop checks, callbacks).
     pub step_time: Duration,
 }
@@ -732,6 +736,7 @@ impl<M: CachedModel> Sampler<M> {
         let logits = model
             .forward_cached(&mut self.cache, &input)
             .map_err(|e| SampleError::Model(Box::new(e)))?;
+        self.stats.enqueue_time += model_started.elapsed();
         let rows = self.sampling_rows(&chunks);
         // A step of prefix fills and unfinished chunks alone has nothing to sample.
         let sampled = if rows.is_empty() {

@@ -9,7 +9,7 @@
 
 use floe_backend::{Backend, BufKind, Matmul, PagedLayout, QueryRun, SharedKeys};
 
-use crate::transformer::{Attend, LayerActs, ModelError, Result, Transformer};
+use crate::transformer::{Attend, LayerActs, ModelError, Residual, Result, Transformer};
 
 /// The paged KV cache of every layer.
 pub struct KvCache<B: Backend> {
@@ -29,10 +29,8 @@ pub struct KvCache<B: Backend> {
 struct DecodeScratch<Buf> {
     /// Rows these buffers hold.
     tokens: usize,
-    /// `[T, hidden]` residual stream entering the current layer.
+    /// `[T, hidden]` residual stream, updated in place by each layer.
     x: Buf,
-    /// `[T, hidden]` residual stream leaving it.
-    next: Buf,
     /// One layer's internals, reused by every layer.
     layer: LayerActs<Buf>,
 }
@@ -267,16 +265,10 @@ impl<B: Backend> Transformer<B> {
             _ => DecodeScratch {
                 tokens: t,
                 x: b.zeros(t * h, BufKind::Compute)?,
-                next: b.zeros(t * h, BufKind::Compute)?,
                 layer: LayerActs::new(&mut crate::transformer::zeros_on(b), c, t)?,
             },
         };
-        let DecodeScratch {
-            x,
-            next,
-            layer: acts,
-            ..
-        } = &mut scratch;
+        let DecodeScratch { x, layer: acts, .. } = &mut scratch;
         b.embedding_forward(x, &w.embed, &ids, h)?;
         for (l, (wl, (k_cache, v_cache))) in
             w.layers.iter().zip(cache.layers.iter_mut()).enumerate()
@@ -296,8 +288,7 @@ impl<B: Backend> Transformer<B> {
                 k_cache,
                 v_cache,
             };
-            self.layer_forward(l, wl, x, next, acts, &token_pos, attend)?;
-            std::mem::swap(x, next);
+            self.layer_forward(l, wl, Residual::InPlace(x), acts, &token_pos, attend)?;
         }
 
         // Only the requested rows go through the final norm and the lm-head.

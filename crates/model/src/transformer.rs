@@ -426,6 +426,30 @@ fn training_layer_slots(config: &ModelConfig, recomputed: usize) -> usize {
     config.num_hidden_layers.max(1) - recomputed
 }
 
+/// Where a layer reads the residual stream and writes the next one.
+pub(crate) enum Residual<'a, Buf> {
+    /// The backward reads `x` and the layer's `resid`: both are kept, the output goes to
+    /// `out`.
+    Kept {
+        /// The layer's input.
+        x: &'a Buf,
+        /// The layer's output.
+        out: &'a mut Buf,
+    },
+    /// No backward follows (decoding): the attention and MLP branches are added into the
+    /// stream in place, with no copies.
+    InPlace(&'a mut Buf),
+}
+
+impl<Buf> Residual<'_, Buf> {
+    fn input(&self) -> &Buf {
+        match self {
+            Residual::Kept { x, .. } => x,
+            Residual::InPlace(x) => x,
+        }
+    }
+}
+
 /// How a layer's attention finds its keys and values.
 pub(crate) enum Attend<'a, B: Backend> {
     /// Packed training/scoring batch: attention within segments.
@@ -926,13 +950,11 @@ impl<B: Backend> Transformer<B> {
 
     /// Decoder layer `l`: `out = layer(x)` (plus its adapters' terms on a LoRA model),
     /// saving its internals in `a`.
-    #[allow(clippy::too_many_arguments)]
     pub(crate) fn layer_forward(
         &self,
         l: usize,
         w: &Layer<B::Buf>,
-        x: &B::Buf,
-        out: &mut B::Buf,
+        residual: Residual<'_, B::Buf>,
         a: &mut LayerActs<B::Buf>,
         positions: &B::Buf,
         attend: Attend<'_, B>,
@@ -946,6 +968,7 @@ impl<B: Backend> Transformer<B> {
         let eps = c.rms_norm_eps;
         let adapters = self.layer_adapters(l);
 
+        let x = residual.input();
         b.rmsnorm_forward(&mut a.ln1, &mut a.ln1_rstd, x, &w.input_norm, t, h, eps)?;
         // Projections land in q_raw/k_raw when a per-head norm follows, else in place.
         let q_proj = a.q_raw.as_mut().unwrap_or(&mut a.q);
@@ -1023,24 +1046,29 @@ impl<B: Backend> Transformer<B> {
                 b.paged_attention(&mut a.att, &a.q, k_cache, v_cache, &layout, shape)?;
             }
         }
-        b.copy(&mut a.resid, x)?;
-        self.linear(&mut a.resid, &a.att, &w.wo, t, h, q, true)?;
-        self.adapt(&mut a.resid, &a.att, adapters, Proj::O, t)?;
-        b.rmsnorm_forward(
-            &mut a.ln2,
-            &mut a.ln2_rstd,
-            &a.resid,
-            &w.post_norm,
-            t,
-            h,
-            eps,
-        )?;
+        // resid = x + att·Woᵀ, then out = resid + act·W_downᵀ.
+        let (resid, out) = match residual {
+            Residual::Kept { x, out } => {
+                b.copy(&mut a.resid, x)?;
+                (&mut a.resid, Some(out))
+            }
+            Residual::InPlace(x) => (x, None),
+        };
+        self.linear(resid, &a.att, &w.wo, t, h, q, true)?;
+        self.adapt(resid, &a.att, adapters, Proj::O, t)?;
+        b.rmsnorm_forward(&mut a.ln2, &mut a.ln2_rstd, resid, &w.post_norm, t, h, eps)?;
         self.linear(&mut a.gate, &a.ln2, &w.w_gate, t, inter, h, false)?;
         self.adapt(&mut a.gate, &a.ln2, adapters, Proj::Gate, t)?;
         self.linear(&mut a.up, &a.ln2, &w.w_up, t, inter, h, false)?;
         self.adapt(&mut a.up, &a.ln2, adapters, Proj::Up, t)?;
         b.swiglu_forward(&mut a.act, &a.gate, &a.up)?;
-        b.copy(out, &a.resid)?;
+        let out = match out {
+            Some(out) => {
+                b.copy(out, resid)?;
+                out
+            }
+            None => resid,
+        };
         self.linear(out, &a.act, &w.w_down, t, h, inter, true)?;
         self.adapt(out, &a.act, adapters, Proj::Down, t)?;
         Ok(())
@@ -1233,7 +1261,8 @@ impl<B: Backend> Transformer<B> {
                 segments: &batch.segments,
                 uncovered_rows: covered < t,
             };
-            self.layer_forward(l, wl, x, out, &mut acts.layers[slot], positions, attend)?;
+            let residual = Residual::Kept { x, out };
+            self.layer_forward(l, wl, residual, &mut acts.layers[slot], positions, attend)?;
         }
         let last = &acts.residual[c.num_hidden_layers % kept];
         b.rmsnorm_forward(
@@ -1505,8 +1534,10 @@ impl<B: Backend> Transformer<B> {
                 self.layer_forward(
                     l,
                     &w.layers[l],
-                    &residual[l],
-                    out,
+                    Residual::Kept {
+                        x: &residual[l],
+                        out,
+                    },
                     &mut layers[slot],
                     positions,
                     attend,

@@ -484,6 +484,7 @@ fn bench_generate<B: Backend>(
         "acceptance": stats.accepted_draft_tokens as f64 / stats.draft_tokens.max(1) as f64,
         "preemptions": stats.preemptions,
         "model_s": stats.model_time.as_secs_f64(),
+        "enqueue_s": stats.enqueue_time.as_secs_f64(),
     });
     if let Some(profiler) = profiler {
         let start = Instant::now();
@@ -549,7 +550,7 @@ fn print_table(mode: Mode, results: &[Value]) {
         }
         Mode::Generate => {
             println!(
-                "{:<8} {:>6} {:>7} {:>5} {:>14} {:>9} {:>10} {:>7} {:>9}",
+                "{:<8} {:>6} {:>7} {:>5} {:>14} {:>9} {:>10} {:>7} {:>9} {:>6}",
                 "model",
                 "batch",
                 "prompt",
@@ -558,7 +559,8 @@ fn print_table(mode: Mode, results: &[Value]) {
                 "seconds",
                 "tok/call",
                 "accept",
-                "roofline"
+                "roofline",
+                "host"
             );
             for r in results {
                 let accept = if r["speculative_ngram"].is_null() {
@@ -569,8 +571,16 @@ fn print_table(mode: Mode, results: &[Value]) {
                 let roofline = r["roofline_share"]
                     .as_f64()
                     .map_or("-".to_string(), |share| format!("{:.0}%", share * 100.0));
+                // The host's share of the model's time spent queueing its ops: near 100%
+                // the device waits for the host (launch-bound).
+                let host = r["enqueue_s"]
+                    .as_f64()
+                    .zip(r["model_s"].as_f64())
+                    .map_or("-".to_string(), |(enqueue, model)| {
+                        format!("{:.0}%", 100.0 * enqueue / model.max(1e-9))
+                    });
                 println!(
-                    "{:<8} {:>6} {:>7} {:>5} {:>14.1} {:>9.3} {:>10.2} {:>7} {:>9}",
+                    "{:<8} {:>6} {:>7} {:>5} {:>14.1} {:>9.3} {:>10.2} {:>7} {:>9} {:>6}",
                     r["model"].as_str().unwrap_or("?"),
                     field(r, "batch"),
                     field(r, "prompt"),
@@ -580,6 +590,7 @@ fn print_table(mode: Mode, results: &[Value]) {
                     r["new_tokens_per_call"].as_f64().unwrap_or(0.0),
                     accept,
                     roofline,
+                    host,
                 );
             }
         }
