@@ -1341,6 +1341,51 @@ fn time_projection(
     (s, a, c)
 }
 
+/// Decode GEMMs: the Qwen3-1.7B layer's projections as a decode step runs them (one GEMM
+/// each, M = the step's tokens), 50 back to back as a step issues them, against the
+/// weight bytes they must read. `FLOE_GEMM` picks the path (cuBLAS by default, `lt`,
+/// `lt-tuned`); `dev/decode_gemm_torch.py` times torch on the same shapes. Run with
+/// `--ignored` on a GPU machine.
+#[test]
+#[ignore]
+fn decode_gemm_table() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new(31);
+    let reps = 50;
+    for m in [64usize, 128, 256] {
+        for (name, n, k) in [
+            ("q", 2048, 2048),
+            ("k or v", 1024, 2048),
+            ("o", 2048, 2048),
+            ("gate or up", 6144, 2048),
+            ("down", 2048, 6144),
+        ] {
+            let a = g.upload(&rng.vec(m * k, 1.0), BufKind::Compute).unwrap();
+            let w = g.upload(&rng.vec(n * k, 1.0), BufKind::Compute).unwrap();
+            let mut c = g.zeros(m * n, BufKind::Compute).unwrap();
+            let dims = Matmul {
+                m,
+                n,
+                k,
+                trans_a: false,
+                trans_b: true,
+            };
+            let s = time(&g, 5, || {
+                for _ in 0..reps {
+                    g.matmul(&mut c, &a, &w, dims, false).unwrap();
+                }
+            }) / reps as f64;
+            println!(
+                "{:<44} {:>10.4} ms {:>8.1} GB/s {:>6.1} TFLOP/s",
+                format!("decode gemm {name} [{m}x{k}]·[{n}x{k}]ᵀ"),
+                s * 1e3,
+                (2 * n * k) as f64 / s / 1e9,
+                2.0 * (m * n * k) as f64 / s / 1e12
+            );
+        }
+    }
+}
+
 /// Timing table at Qwen3-0.6B/1.7B shapes: T = 8 × 2048 packed tokens, 16 q / 8 kv heads
 /// of 128. Run with `--ignored` on a GPU machine.
 #[test]
@@ -1577,27 +1622,6 @@ fn timing_table() {
         "sample 64 rows top-p 0.95 (with download)",
         s * 1e3
     );
-    // Decode GEMMs: the 1.7B layer's projections as a decode step runs them (one GEMM
-    // each, M = the step's tokens), against the weight bytes they must read. Compare with
-    // `dev/decode_gemm_torch.py` (torch's cuBLASLt) in the same call.
-    for m in [64usize, 128, 256] {
-        for (name, n, k) in [
-            ("q", hq * d, 2048),
-            ("k or v", hk * d, 2048),
-            ("o", 2048, hq * d),
-            ("gate or up", 6144, 2048),
-            ("down", 2048, 6144),
-        ] {
-            let (s, _, _) = time_projection(&g, &mut rng, (m, n, k), 50);
-            println!(
-                "{:<44} {:>10.4} {:>8.1} GB/s {:>6.1} TFLOP/s",
-                format!("decode gemm {name} [{m}x{k}]·[{n}x{k}]ᵀ"),
-                s * 1e3,
-                (2 * n * k) as f64 / s / 1e9,
-                2.0 * (m * n * k) as f64 / s / 1e12
-            );
-        }
-    }
     // Paged decode, one query per sequence at the end of its context: 64 sequences at
     // 2048 keys, 256 at 512 (the generation benchmark's shapes), one at 32768; groups of
     // 2 query heads a kv head (0.6B-1.7B), 4 (4B, 8B) and 8 (32B).

@@ -204,7 +204,9 @@ pub struct CudaBackend {
     device_name: String,
     modules: Mutex<HashMap<Module, Arc<CudaModule>>>,
     functions: Mutex<HashMap<&'static str, CudaFunction>>,
-    /// cuBLAS's workspace; kept alive as long as the handle uses it.
+    /// The cuBLASLt path of [`CudaBackend::gemm`], when `FLOE_GEMM` asks for it.
+    blas_lt: Option<super::gemm_lt::LtGemm>,
+    /// cuBLAS's (and cuBLASLt's) workspace; kept alive as long as the handles use it.
     _blas_workspace: CudaSlice<u8>,
     /// Whether launches and GEMMs are being timed ([`CudaBackend::start_profile`]).
     profiling: AtomicBool,
@@ -370,6 +372,17 @@ impl CudaBackend {
                 return Err(Error::Cuda(format!("cublasSetWorkspace: {status:?}")));
             }
         }
+        let blas_lt = match super::gemm_lt::GemmPath::from_env() {
+            super::gemm_lt::GemmPath::Blas => None,
+            path => {
+                let (ptr, _sync) = workspace.device_ptr(&stream);
+                let tune = path == super::gemm_lt::GemmPath::LtTuned;
+                Some(super::gemm_lt::LtGemm::new(
+                    (ptr, BLAS_WORKSPACE_BYTES),
+                    tune,
+                )?)
+            }
+        };
         let (major, minor) = ctx.compute_capability()?;
         let sm_count = ctx.attribute(
             cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
@@ -387,6 +400,7 @@ impl CudaBackend {
             ctx,
             stream,
             blas,
+            blas_lt,
             arch: arch_name(major, minor),
             sm_count,
             device_name,
@@ -708,6 +722,16 @@ impl CudaBackend {
                 t(trans_b)
             ))
         };
+        if let Some(lt) = &self.blas_lt {
+            let ops = super::gemm_lt::Operands {
+                c: c.0,
+                a: a.0,
+                b: b.0,
+                alpha,
+                beta,
+            };
+            return self.timed(name, || lt.gemm(&self.stream, ops, a.1, c.1, dims));
+        }
         // SAFETY: the caller checked every operand's length against `dims`.
         self.timed(name, || unsafe {
             cublas_result::gemm_ex(

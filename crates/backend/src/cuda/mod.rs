@@ -8,6 +8,8 @@
 //! - `device.rs`: context, stream, cuBLAS handle and workspace, buffers, the per-process
 //!   NVRTC cache (one program per `kernels/*.cu`, compiled for the device's `sm_XY` on
 //!   first use) and the row-major GEMM wrapper over `cublasGemmEx`.
+//! - `gemm_lt.rs`: the same GEMMs through cuBLASLt with the algorithm chosen per shape
+//!   (heuristic or timed), selected by `FLOE_GEMM`.
 //! - `ops.rs`: the [`crate::Backend`] implementation: host-side checks (the shapes by
 //!   [`crate::contract`]), then launches.
 //! - `nccl.rs`: [`NcclCollective`], the [`crate::Collective`] ops over NCCL on the
@@ -21,6 +23,8 @@
 mod attention;
 #[cfg(feature = "cuda")]
 mod device;
+#[cfg(feature = "cuda")]
+mod gemm_lt;
 #[cfg(feature = "cuda")]
 mod nccl;
 #[cfg(feature = "cuda")]
