@@ -171,6 +171,9 @@ pub type Result<T> = std::result::Result<T, ConfigError>;
 /// Reads typed keys out of one `config.json` object, naming the origin in every error.
 struct Keys<'a> {
     origin: &'a str,
+    /// The object's own key with a dot (`rope_parameters.`) for a nested one, so errors
+    /// name the full path; empty at the top level.
+    prefix: &'a str,
     map: &'a Map<String, Value>,
 }
 
@@ -182,7 +185,7 @@ impl<'a> Keys<'a> {
     fn bad(&self, key: &str, msg: impl Into<String>) -> ConfigError {
         ConfigError::BadValue {
             origin: self.origin.to_string(),
-            key: key.to_string(),
+            key: format!("{}{key}", self.prefix),
             msg: msg.into(),
         }
     }
@@ -282,7 +285,11 @@ impl ModelConfig {
             key: "<root>".into(),
             msg: "expected a JSON object".into(),
         })?;
-        let keys = Keys { origin, map };
+        let keys = Keys {
+            origin,
+            prefix: "",
+            map,
+        };
         let architecture = Self::architecture_of(&keys)?;
 
         if let Some(act) = keys.str_opt("hidden_act")? {
@@ -483,9 +490,9 @@ impl ModelConfig {
     /// RoPE base and scaling, from `rope_theta` + `rope_scaling` (transformers 4.x) or
     /// `rope_parameters` (5.x).
     fn rope_of(keys: &Keys<'_>) -> Result<(f32, Option<Llama3RopeScaling>)> {
-        let (params_key, params) = match keys.get("rope_parameters") {
-            Some(p) => ("rope_parameters", Some(p)),
-            None => ("rope_scaling", keys.get("rope_scaling")),
+        let (params_key, prefix, params) = match keys.get("rope_parameters") {
+            Some(p) => ("rope_parameters", "rope_parameters.", Some(p)),
+            None => ("rope_scaling", "rope_scaling.", keys.get("rope_scaling")),
         };
         let params = match params {
             None => None,
@@ -494,6 +501,7 @@ impl ModelConfig {
         };
         let sub = params.map(|map| Keys {
             origin: keys.origin,
+            prefix,
             map,
         });
         let theta = match sub

@@ -396,6 +396,19 @@ fn names_key(err: &ConfigError, key: &str) -> bool {
             && ["architectures", "model_type"].contains(&key))
 }
 
+/// Found by the property below: a bad value inside `rope_parameters` named only its own
+/// key (`rope_type`), not where it sits.
+#[test]
+fn a_bad_nested_rope_key_is_named_with_its_parent() {
+    let mut map = fixture_config();
+    map.insert("rope_parameters".into(), json!({ "rope_type": false }));
+    let err = ModelConfig::from_hf_json(&Value::Object(map)).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "<json>: key `rope_parameters.rope_type`: expected a string, got false"
+    );
+}
+
 proptest! {
     #![proptest_config(config(512))]
 
