@@ -53,6 +53,8 @@ sample_rows(u32* tokens, float* logprobs, const void* logits, int dt, int vocab,
     __shared__ unsigned long long sel_prefix;
     __shared__ double sel_before;
     __shared__ u32 sel_rank;
+    __shared__ double warp_mass[32];
+    __shared__ int warp_last[32];
 
     int r = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     float temp = temperature[r];
@@ -81,17 +83,87 @@ sample_rows(u32* tokens, float* logprobs, const void* logits, int dt, int vocab,
         if (tid == 0) { tokens[r] = 0; logprobs[r] = NEG_INF; }
         return;
     }
+    // Each warp sums exp(z - zmax) over its own contiguous chunk of ids (lanes stride
+    // within it, so loads stay coalesced): the total gives the log-sum-exp, and the chunk
+    // masses are where plain temperature sampling's draw lands.
     double zmax = (double)bmax * row.inv_t;
+    int warps = blockDim.x >> 5;
+    int wchunk = (vocab + warps - 1) / warps;
+    int wlo = min(vocab, warp * wchunk), whi = min(vocab, wlo + wchunk);
     double se = 0.0;
-    for (int i = tid; i < vocab; i += blockDim.x) se += exp((double)row.x(i) * row.inv_t - zmax);
-    double lse = zmax + log(block_sum_f64(se, dscratch));
+    int w_last = -1;  // the warp's last id with mass
+    for (int i = wlo + lane; i < whi; i += 32) {
+        double e = exp((double)row.x(i) * row.inv_t - zmax);
+        se += e;
+        if (e > 0.0) w_last = i;
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        se += __shfl_xor_sync(0xffffffffu, se, o);
+        w_last = max(w_last, __shfl_xor_sync(0xffffffffu, w_last, o));
+    }
+    __syncthreads();
+    if (lane == 0) { warp_mass[warp] = se; warp_last[warp] = w_last; }
+    __syncthreads();
+    double all_mass = 0.0;
+    for (int w = 0; w < warps; ++w) all_mass += warp_mass[w];
+    double lse = zmax + log(all_mass);
     if (greedy || bmax == __int_as_float(0x7f800000)) {
         if (tid == 0) { tokens[r] = argmax; logprobs[r] = (float)((double)row.x(argmax) * row.inv_t - lse); }
         return;
     }
 
-    // 2. top-k: the k-th largest value by a count-weighted radix select (4 x 8 bits).
     int k = top_k[r];
+    float p = top_p[r], mp = min_p[r];
+    if ((k <= 0 || k >= vocab) && p >= 1.0f && mp <= 0.0f) {
+        // Plain temperature sampling, RL's usual case: every finite token is kept, so
+        // the draw finds the chunk its target falls in from the masses above, and that
+        // chunk's warp walks it in id order, 32 ids a step with a warp scan.
+        double target = uniforms[r] * all_mass, before = 0.0;
+        int cross = -1, last_warp = -1;
+        for (int w = 0; w < warps; ++w) {
+            if (warp_mass[w] > 0.0) last_warp = w;
+            if (cross < 0 && warp_mass[w] > 0.0) {
+                if (before + warp_mass[w] > target) cross = w;
+                else before += warp_mass[w];
+            }
+        }
+        // Rounding can leave the target unreached: the last token with mass then.
+        if (cross < 0) {
+            if (tid == 0) {
+                int tok = last_warp >= 0 ? warp_last[last_warp] : argmax;
+                tokens[r] = (u32)tok;
+                logprobs[r] = (float)((double)row.x(tok) * row.inv_t - lse);
+            }
+            return;
+        }
+        if (warp != cross) return;
+        double running = before;
+        int tok = warp_last[cross];  // where the walk's own rounding falls short
+        for (int base = wlo; base < whi; base += 32) {
+            int i = base + lane;
+            double e = i < whi ? exp((double)row.x(i) * row.inv_t - zmax) : 0.0;
+            double incl = e;
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+                double n = __shfl_up_sync(0xffffffffu, incl, o);
+                if (lane >= o) incl += n;
+            }
+            unsigned hit = __ballot_sync(0xffffffffu, e > 0.0 && running + incl > target);
+            if (hit) {
+                tok = base + __ffs(hit) - 1;
+                break;
+            }
+            running += __shfl_sync(0xffffffffu, incl, 31);
+        }
+        if (lane == 0) {
+            tokens[r] = (u32)tok;
+            logprobs[r] = (float)((double)row.x(tok) * row.inv_t - lse);
+        }
+        return;
+    }
+
+    // 2. top-k: the k-th largest value by a count-weighted radix select (4 x 8 bits).
     u32 kth_key = 0;  // keep keys >= kth_key
     if (k > 0 && k < vocab) {
         if (tid == 0) { sel_prefix = 0; sel_rank = (u32)k; }
@@ -117,20 +189,18 @@ sample_rows(u32* tokens, float* logprobs, const void* logits, int dt, int vocab,
         kth_key = ~(u32)sel_prefix;
     }
 
-    // Kept so far: finite (-inf carries no mass) and at least the k-th largest.
-    double total = 0.0;
-    for (int i = tid; i < vocab; i += blockDim.x) {
-        float v = row.x(i);
-        if (v > NEG_INF && ordered_key(v) >= kth_key) total += exp((double)v * row.inv_t - zmax);
-    }
-    total = block_sum_f64(total, dscratch);
-
     // 3. top-p: the last kept token is the first, in (value desc, id asc) order, whose
-    // inclusive running mass reaches top_p of the total; a mass-weighted radix select
-    // over the 64-bit key (8 x 8 bits) finds it.
+    // inclusive running mass reaches top_p of the total kept so far (finite and at least
+    // the k-th largest); a mass-weighted radix select over the 64-bit key (8 x 8 bits)
+    // finds it.
     unsigned long long cut_key = 0xffffffffffffffffull;
-    float p = top_p[r];
     if (p < 1.0f) {
+        double total = 0.0;
+        for (int i = tid; i < vocab; i += blockDim.x) {
+            float v = row.x(i);
+            if (v > NEG_INF && ordered_key(v) >= kth_key) total += exp((double)v * row.inv_t - zmax);
+        }
+        total = block_sum_f64(total, dscratch);
         double tp = (double)p;
         if (tid == 0) { sel_prefix = 0; sel_before = 0.0; }
         for (int shift = 56; shift >= 0; shift -= 8) {
@@ -160,7 +230,6 @@ sample_rows(u32* tokens, float* logprobs, const void* logits, int dt, int vocab,
     }
 
     // 4. min-p and the kept predicate.
-    float mp = min_p[r];
     double floor_ = mp > 0.0f ? log((double)mp) : -1.0e300;
     auto weight = [&](int i) -> double {
         float v = row.x(i);
