@@ -1322,17 +1322,16 @@ fn time(g: &CudaBackend, reps: usize, mut f: impl FnMut()) -> f64 {
     times[reps / 2]
 }
 
-/// Times a layer projection `C[m×n] = A[m×k]·W[n×k]ᵀ` on random bf16 operands: the
-/// median seconds a call, and A and C for the weight-gradient timing.
-fn time_projection(
+/// Random bf16 operands of a layer projection `C[m×n] = A[m×k]·W[n×k]ᵀ`: A, W, C and
+/// the GEMM's dims.
+fn projection(
     g: &CudaBackend,
     rng: &mut Rng,
     (m, n, k): (usize, usize, usize),
-    reps: usize,
-) -> (f64, CudaBuf, CudaBuf) {
+) -> (CudaBuf, CudaBuf, CudaBuf, Matmul) {
     let a = g.upload(&rng.vec(m * k, 1.0), BufKind::Compute).unwrap();
     let w = g.upload(&rng.vec(n * k, 1.0), BufKind::Compute).unwrap();
-    let mut c = g.zeros(m * n, BufKind::Compute).unwrap();
+    let c = g.zeros(m * n, BufKind::Compute).unwrap();
     let dims = Matmul {
         m,
         n,
@@ -1340,6 +1339,18 @@ fn time_projection(
         trans_a: false,
         trans_b: true,
     };
+    (a, w, c, dims)
+}
+
+/// Times a layer projection on random operands ([`projection`]): the median seconds a
+/// call, and A and C for the weight-gradient timing.
+fn time_projection(
+    g: &CudaBackend,
+    rng: &mut Rng,
+    shape: (usize, usize, usize),
+    reps: usize,
+) -> (f64, CudaBuf, CudaBuf) {
+    let (a, w, mut c, dims) = projection(g, rng, shape);
     let s = time(g, reps, || g.matmul(&mut c, &a, &w, dims, false).unwrap());
     (s, a, c)
 }
@@ -1363,16 +1374,7 @@ fn decode_gemm_table() {
             ("gate or up", 6144, 2048),
             ("down", 2048, 6144),
         ] {
-            let a = g.upload(&rng.vec(m * k, 1.0), BufKind::Compute).unwrap();
-            let w = g.upload(&rng.vec(n * k, 1.0), BufKind::Compute).unwrap();
-            let mut c = g.zeros(m * n, BufKind::Compute).unwrap();
-            let dims = Matmul {
-                m,
-                n,
-                k,
-                trans_a: false,
-                trans_b: true,
-            };
+            let (a, w, mut c, dims) = projection(&g, &mut rng, (m, n, k));
             let s = time(&g, 5, || {
                 for _ in 0..reps {
                     g.matmul(&mut c, &a, &w, dims, false).unwrap();
