@@ -372,7 +372,7 @@ impl CudaBackend {
                 return Err(Error::Cuda(format!("cublasSetWorkspace: {status:?}")));
             }
         }
-        let blas_lt = match super::gemm_lt::GemmPath::from_env() {
+        let blas_lt = match super::gemm_lt::GemmPath::from_env()? {
             super::gemm_lt::GemmPath::Blas => None,
             path => {
                 let (ptr, _sync) = workspace.device_ptr(&stream);

@@ -32,12 +32,19 @@ pub(crate) enum GemmPath {
 }
 
 impl GemmPath {
-    /// From `FLOE_GEMM` (`blas`, `lt`, `lt-tuned`); unset or unknown is `blas`.
-    pub(crate) fn from_env() -> Self {
-        match std::env::var("FLOE_GEMM").as_deref() {
-            Ok("lt") => GemmPath::Lt,
-            Ok("lt-tuned") => GemmPath::LtTuned,
-            _ => GemmPath::Blas,
+    /// From `FLOE_GEMM` (`blas`, the default when unset, `lt` or `lt-tuned`); any other
+    /// value is an error that names the variable, not a silent default.
+    pub(crate) fn from_env() -> Result<Self> {
+        match std::env::var("FLOE_GEMM") {
+            Err(_) => Ok(GemmPath::Blas),
+            Ok(v) => match v.as_str() {
+                "" | "blas" => Ok(GemmPath::Blas),
+                "lt" => Ok(GemmPath::Lt),
+                "lt-tuned" => Ok(GemmPath::LtTuned),
+                _ => Err(Error::Cuda(format!(
+                    "FLOE_GEMM={v:?}: expected blas, lt or lt-tuned"
+                ))),
+            },
         }
     }
 }
