@@ -184,26 +184,29 @@ pub fn copy(dst: usize, src: usize) -> Result<()> {
     len("copy", "src", src, dst)
 }
 
-/// [`Backend::copy_into`].
-pub fn copy_into(dst: usize, offset: usize, src: usize) -> Result<()> {
-    if offset.checked_add(src).is_some_and(|end| end <= dst) {
-        return Ok(());
+/// [`Backend::copy_range`]: `len` elements from `src[src_offset..]` to
+/// `dst[dst_offset..]`, both ranges inside their buffers.
+pub fn copy_range(
+    dst: usize,
+    dst_offset: usize,
+    src: usize,
+    src_offset: usize,
+    len: usize,
+) -> Result<()> {
+    let fits = |offset: usize, buf: usize| offset.checked_add(len).is_some_and(|end| end <= buf);
+    let overrun = |what: &str, offset: usize, buf: usize| {
+        Err(shape_error(
+            "copy_range",
+            format!("{len} elements at offset {offset} overrun `{what}` of {buf}"),
+        ))
+    };
+    if !fits(dst_offset, dst) {
+        return overrun("dst", dst_offset, dst);
     }
-    Err(shape_error(
-        "copy_into",
-        format!("`src` of {src} elements at offset {offset} overruns `dst` of {dst}"),
-    ))
-}
-
-/// [`Backend::copy_from`].
-pub fn copy_from(dst: usize, src: usize, offset: usize) -> Result<()> {
-    if offset.checked_add(dst).is_some_and(|end| end <= src) {
-        return Ok(());
+    if !fits(src_offset, src) {
+        return overrun("src", src_offset, src);
     }
-    Err(shape_error(
-        "copy_from",
-        format!("`dst` of {dst} elements at offset {offset} overruns `src` of {src}"),
-    ))
+    Ok(())
 }
 
 /// [`Backend::add_assign`].
@@ -788,12 +791,12 @@ mod tests {
     }
 
     #[test]
-    fn copy_into_rejects_overruns_without_overflowing() {
-        copy_into(4, 1, 3).unwrap();
-        assert!(message(copy_into(4, 2, 3)).contains("overruns"));
-        assert!(message(copy_into(4, usize::MAX, 1)).contains("overruns"));
-        copy_from(3, 4, 1).unwrap();
-        assert!(message(copy_from(3, 4, 2)).contains("overruns"));
-        assert!(message(copy_from(1, 4, usize::MAX)).contains("overruns"));
+    fn copy_range_rejects_overruns_without_overflowing() {
+        copy_range(4, 1, 5, 2, 3).unwrap();
+        copy_range(4, 4, 0, 0, 0).unwrap();
+        assert!(message(copy_range(4, 2, 5, 0, 3)).contains("overrun `dst`"));
+        assert!(message(copy_range(4, 0, 5, 3, 3)).contains("overrun `src`"));
+        assert!(message(copy_range(4, usize::MAX, 5, 0, 1)).contains("overrun `dst`"));
+        assert!(message(copy_range(4, 0, 5, usize::MAX, 1)).contains("overrun `src`"));
     }
 }

@@ -350,10 +350,26 @@ pub trait Backend: Send + Sync + 'static {
     fn download_index(&self, buf: &Self::Buf) -> Result<Vec<u32>>;
     /// `dst = src`, converting between Compute and Full storage; lengths must match.
     fn copy(&self, dst: &mut Self::Buf, src: &Self::Buf) -> Result<()>;
+    /// `dst[dst_offset .. dst_offset + len] = src[src_offset .. src_offset + len]`
+    /// (same kind): pieces of tensors packed into and out of the flat buffers that
+    /// collectives move.
+    fn copy_range(
+        &self,
+        dst: &mut Self::Buf,
+        dst_offset: usize,
+        src: &Self::Buf,
+        src_offset: usize,
+        len: usize,
+    ) -> Result<()>;
     /// Writes `src` into `dst[offset .. offset + len(src)]` (same kind).
-    fn copy_into(&self, dst: &mut Self::Buf, offset: usize, src: &Self::Buf) -> Result<()>;
+    fn copy_into(&self, dst: &mut Self::Buf, offset: usize, src: &Self::Buf) -> Result<()> {
+        self.copy_range(dst, offset, src, 0, self.len(src))
+    }
     /// Reads `src[offset .. offset + len(dst)]` into `dst` (same kind).
-    fn copy_from(&self, dst: &mut Self::Buf, src: &Self::Buf, offset: usize) -> Result<()>;
+    fn copy_from(&self, dst: &mut Self::Buf, src: &Self::Buf, offset: usize) -> Result<()> {
+        let len = self.len(dst);
+        self.copy_range(dst, 0, src, offset, len)
+    }
     /// Sets every element to zero.
     fn fill_zero(&self, buf: &mut Self::Buf) -> Result<()>;
     /// Element `i` of `buf` becomes `std · sampling::normal(seed, first + i)`, rounded to

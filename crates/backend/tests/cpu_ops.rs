@@ -214,6 +214,15 @@ fn elementwise_and_reductions() {
     b.copy_from(&mut piece, &long, 3).unwrap();
     assert_eq!(down(&b, &piece), vec![-3.0, 7.0]);
     assert!(b.copy_from(&mut piece, &long, 4).is_err(), "overrun");
+    b.copy_range(&mut long, 0, &z, 1, 2).unwrap();
+    assert_eq!(down(&b, &long), vec![-3.0, 7.0, 3.0, -3.0, 7.0]);
+    assert!(b.copy_range(&mut long, 4, &z, 0, 2).is_err(), "dst overrun");
+    assert!(b.copy_range(&mut long, 0, &z, 2, 2).is_err(), "src overrun");
+    assert!(
+        b.copy_range(&mut long, 0, &b.upload_index(&[1]).unwrap(), 0, 1)
+            .is_err(),
+        "kinds differ"
+    );
     b.fill_zero(&mut long).unwrap();
     assert_eq!(down(&b, &long), vec![0.0; 5]);
     assert_eq!(b.kind(&long), BufKind::Full);

@@ -140,6 +140,14 @@ fn buffers_round_trip_and_convert() {
         g.copy_from(&mut piece, &big, 8).is_err(),
         "overrun must be refused"
     );
+    let mut halves = g.upload(&[1.0, 2.0, 3.0, 4.0], BufKind::Compute).unwrap();
+    let source = g.upload(&[9.0, 8.0, 7.0], BufKind::Compute).unwrap();
+    g.copy_range(&mut halves, 1, &source, 1, 2).unwrap();
+    assert_eq!(g.download(&halves).unwrap(), vec![1., 8., 7., 4.]);
+    assert!(
+        g.copy_range(&mut halves, 3, &source, 0, 2).is_err(),
+        "overrun must be refused"
+    );
 
     let idx = g.upload_index(&[3, 1, 4, 1, 5]).unwrap();
     assert_eq!(g.download_index(&idx).unwrap(), vec![3, 1, 4, 1, 5]);

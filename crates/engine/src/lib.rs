@@ -93,6 +93,7 @@ pub mod policy;
 #[cfg(feature = "remote")]
 pub mod remote;
 pub mod sampler;
+mod sharded;
 pub mod speculative;
 pub mod stop;
 pub mod verbs;

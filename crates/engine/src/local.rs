@@ -110,6 +110,10 @@ pub struct LocalEngineOptions {
     /// ([`OptimizerPlacement::Host`]: host memory, for models whose optimizer state does
     /// not fit the device).
     pub optimizer_placement: OptimizerPlacement,
+    /// ZeRO stage of a data-parallel engine (`engine.zero_stage`): 0 keeps the whole
+    /// optimizer state on every rank; 1 splits the f32 masters and AdamW moments over the
+    /// ranks ([`Policy::shard_optimizer`]). One rank has nothing to split.
+    pub zero_stage: u8,
 }
 
 impl Default for LocalEngineOptions {
@@ -130,6 +134,7 @@ impl Default for LocalEngineOptions {
             seed: 0,
             export_dtype: SaveDType::BF16,
             optimizer_placement: OptimizerPlacement::Device,
+            zero_stage: 0,
         }
     }
 }
@@ -369,6 +374,14 @@ impl<B: Backend> LocalEngine<B> {
                 "speculative_ngram: {problem}"
             )));
         }
+        if options.zero_stage > 1 {
+            return Err(Error::InvalidRequest(format!(
+                "engine.zero_stage = {}: stages 0 (replicated optimizer state) and 1 \
+                 (optimizer state split over the ranks) exist; stage 3 is planned \
+                 (docs/distributed.md)",
+                options.zero_stage
+            )));
+        }
         let (model, lora) = source.shape()?;
         if options.exact_logprobs && lora.as_ref().is_some_and(|l| l.train_unembed) {
             // Sampling adds the unembed adapter's term to the logits, training merges it
@@ -403,8 +416,13 @@ impl<B: Backend> LocalEngine<B> {
         if let Some(collective) = &collective {
             policy.broadcast_weights(&**collective, 0)?;
         }
+        match &collective {
+            Some(collective) if options.zero_stage == 1 => {
+                policy.shard_optimizer(Arc::clone(collective), options.optimizer_placement)?
+            }
+            _ => policy.set_optimizer_placement(options.optimizer_placement)?,
+        }
         let data_parallel = collective.map(|c| DataParallel::new(c, backend));
-        policy.set_optimizer_placement(options.optimizer_placement)?;
         policy.set_recomputed_layers(plan.recomputed_layers);
         // What the plan holds for good is taken now, so the next engine sees it gone.
         policy.allocate_training_state()?;
@@ -944,8 +962,21 @@ impl<B: Backend> Engine for LocalEngine<B> {
 
     /// Writes the policy (f32 weights under `model/`, AdamW moments, step) and, when
     /// frozen, the reference model as an f32 Hugging Face folder under `reference/`.
+    ///
+    /// In a data-parallel group every rank calls it with the same `dir`: rank 0 writes
+    /// the replicated state, and each rank its shard of a sharded optimizer.
     fn save_state(&mut self, dir: &Path) -> Result<()> {
+        let rank = self
+            .data_parallel
+            .as_ref()
+            .map_or(0, |dp| dp.collective.rank());
+        if rank != 0 && !self.policy.is_sharded() {
+            return Ok(());
+        }
         self.policy.save(dir)?;
+        if rank != 0 {
+            return Ok(());
+        }
         let reference_dir = dir.join(REFERENCE_DIR);
         match &self.reference {
             Some(reference) => weights::save_model_dir(
@@ -976,7 +1007,15 @@ impl<B: Backend> Engine for LocalEngine<B> {
             }
             Policy::load_lora(current.share_base()?, dir, self.options.optimizer_placement)?
         } else {
-            Policy::load(Arc::clone(&backend), dir, self.options.optimizer_placement)?
+            match &self.data_parallel {
+                Some(dp) if self.policy.is_sharded() => Policy::load_sharded(
+                    Arc::clone(&backend),
+                    dir,
+                    self.options.optimizer_placement,
+                    Arc::clone(&dp.collective),
+                )?,
+                _ => Policy::load(Arc::clone(&backend), dir, self.options.optimizer_placement)?,
+            }
         };
         policy.set_recomputed_layers(self.plan.recomputed_layers);
         let reference_dir = dir.join(REFERENCE_DIR);

@@ -41,6 +41,7 @@ use floe_model::weights::{self, HostTensor, SaveDType, TensorView};
 use floe_rl::optim::{clip_coef, should_skip_step};
 use serde::{Deserialize, Serialize};
 
+use crate::sharded::{read_full_state, ShardedOptimizer, ShardingMeta};
 use crate::{Error, Result};
 
 /// Turns a micro-batch's per-row stats into `(dL/dlogprob, dL/dentropy)` per row.
@@ -108,6 +109,9 @@ enum OptimizerState<B: Backend> {
     Device(BTreeMap<String, Moments<B::Buf>>),
     /// Masters and moments in host memory, updated there ([`Backend::adamw_host`]).
     Host { params: BTreeMap<String, HostParam> },
+    /// This rank's shard of the masters and moments of a data-parallel group
+    /// ([`Policy::shard_optimizer`]), on the device or the host.
+    Sharded(ShardedOptimizer<B>),
 }
 
 /// The transformer being trained with its optimizer state.
@@ -131,6 +135,9 @@ const EXP_AVG_SQ: &str = "exp_avg_sq";
 #[derive(Serialize, Deserialize)]
 struct OptimizerMeta {
     step: u64,
+    /// Present when the masters and moments were saved in shards, one file per rank.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    sharding: Option<ShardingMeta>,
 }
 
 impl<B: Backend> Policy<B> {
@@ -145,10 +152,58 @@ impl<B: Backend> Policy<B> {
 
     /// Where the optimizer state lives.
     pub fn optimizer_placement(&self) -> OptimizerPlacement {
-        match self.state {
+        match &self.state {
             OptimizerState::Device(_) => OptimizerPlacement::Device,
             OptimizerState::Host { .. } => OptimizerPlacement::Host,
+            OptimizerState::Sharded(sharded) => sharded.placement(),
         }
+    }
+
+    /// Whether the optimizer state is split over the ranks of a data-parallel group.
+    pub fn is_sharded(&self) -> bool {
+        matches!(self.state, OptimizerState::Sharded(_))
+    }
+
+    /// Splits the optimizer state over the ranks of `collective` (ZeRO stage 1,
+    /// `docs/distributed.md`): each rank keeps the f32 masters and AdamW moments of its
+    /// shard of the parameters at `placement`; the model keeps its weights in compute
+    /// precision (where the backend has a lower one) and full gradients. Every rank must
+    /// hold the same weights (after [`Policy::broadcast_weights`]) and call it together.
+    /// Moments already on the device are split too; a state on the host is refused.
+    pub fn shard_optimizer(
+        &mut self,
+        collective: Arc<dyn Collective<B>>,
+        placement: OptimizerPlacement,
+    ) -> Result<()> {
+        self.shard_optimizer_in_buckets(collective, placement, SHARD_BUCKET_ELEMENTS)
+    }
+
+    fn shard_optimizer_in_buckets(
+        &mut self,
+        collective: Arc<dyn Collective<B>>,
+        placement: OptimizerPlacement,
+        bucket_elements: usize,
+    ) -> Result<()> {
+        let OptimizerState::Device(moments) = &mut self.state else {
+            return Err(Error::InvalidRequest(
+                "shard_optimizer: the optimizer state is already on the host or sharded; \
+                 shard it from the device"
+                    .into(),
+            ));
+        };
+        let moments: BTreeMap<String, (B::Buf, B::Buf)> = std::mem::take(moments)
+            .into_iter()
+            .map(|(name, Moments { m, v })| (name, (m, v)))
+            .collect();
+        let sharded = ShardedOptimizer::new(
+            &mut self.model,
+            collective,
+            placement,
+            bucket_elements,
+            &moments,
+        )?;
+        self.state = OptimizerState::Sharded(sharded);
+        Ok(())
     }
 
     /// Moves the optimizer state to `placement`. Going to the host copies the master
@@ -159,6 +214,10 @@ impl<B: Backend> Policy<B> {
         match (placement, &mut self.state) {
             (OptimizerPlacement::Device, OptimizerState::Device(_))
             | (OptimizerPlacement::Host, OptimizerState::Host { .. }) => Ok(()),
+            (_, OptimizerState::Sharded(sharded)) if sharded.placement() == placement => Ok(()),
+            (_, OptimizerState::Sharded(_)) => Err(Error::InvalidRequest(
+                "the optimizer state is sharded; its placement was chosen when it was split".into(),
+            )),
             (OptimizerPlacement::Device, OptimizerState::Host { .. }) => {
                 Err(Error::InvalidRequest(
                     "the optimizer state is in host memory; it does not move back to the \
@@ -244,8 +303,10 @@ impl<B: Backend> Policy<B> {
                 device_moments(&*backend, moments, name, slot.param)?;
                 Ok(())
             })?,
-            // Host moments are allocated at the first step (host memory, not the device's).
-            OptimizerState::Host { .. } => self.model.visit_params(&mut |_, _| Ok(()))?,
+            // Host and shard moments are allocated at the first step.
+            OptimizerState::Host { .. } | OptimizerState::Sharded(_) => {
+                self.model.visit_params(&mut |_, _| Ok(()))?
+            }
         }
         Ok(())
     }
@@ -275,10 +336,10 @@ impl<B: Backend> Policy<B> {
     /// them from the same source. Call it while the optimizer state is on the device
     /// (before [`Policy::set_optimizer_placement`] moves the masters to the host).
     pub fn broadcast_weights(&mut self, collective: &dyn Collective<B>, root: usize) -> Result<()> {
-        if let OptimizerState::Host { .. } = self.state {
+        if !matches!(self.state, OptimizerState::Device(_)) {
             return Err(Error::InvalidRequest(
-                "broadcast_weights: the master weights are in host memory; broadcast them \
-                 before moving the optimizer state there"
+                "broadcast_weights: the master weights are in host memory or sharded; \
+                 broadcast them before moving or splitting the optimizer state"
                     .into(),
             ));
         }
@@ -354,10 +415,15 @@ impl<B: Backend> Policy<B> {
         params: &OptimParams,
         collective: Option<&dyn Collective<B>>,
     ) -> Result<StepOutcome> {
-        if let Some(collective) = collective {
-            self.all_reduce_gradients(collective, GRAD_BUCKET_ELEMENTS)?;
-        }
-        let grad_norm = self.model.grad_norm()?;
+        let grad_norm = match (&mut self.state, collective) {
+            // The shards' sums: the model's gradients are cleared.
+            (OptimizerState::Sharded(sharded), _) => sharded.reduce_gradients(&mut self.model)?,
+            (_, Some(collective)) => {
+                self.all_reduce_gradients(collective, GRAD_BUCKET_ELEMENTS)?;
+                self.model.grad_norm()?
+            }
+            (_, None) => self.model.grad_norm()?,
+        };
         if should_skip_step(grad_norm) {
             self.model.zero_grad()?;
             return Ok(StepOutcome {
@@ -417,6 +483,7 @@ impl<B: Backend> Policy<B> {
                 }
                 Ok(())
             })?,
+            OptimizerState::Sharded(sharded) => sharded.apply(&mut self.model, hp)?,
         }
         self.model.zero_grad()?;
         Ok(StepOutcome {
@@ -435,13 +502,16 @@ impl<B: Backend> Policy<B> {
             OptimizerState::Host { params, .. } => {
                 params.values_mut().for_each(|p| p.moments = None);
             }
+            OptimizerState::Sharded(sharded) => sharded.reset(),
         }
         self.step = 0;
     }
 
     /// The f32 weights under training (a LoRA policy's base and adapters are read with
     /// [`Transformer::to_host_weights`] and [`Transformer::adapters_to_host`]): the
-    /// model's own Full weights, or the host masters when the optimizer keeps them.
+    /// model's own Full weights, or the host masters when the optimizer keeps them. A
+    /// sharded optimizer's masters are split over the ranks: this gives the model's
+    /// weights, in compute precision where the backend has a lower one.
     pub fn master_weights_to_host(&self) -> Result<BTreeMap<String, HostTensor>> {
         let mut weights = self.model.to_host_weights()?;
         if let OptimizerState::Host { params, .. } = &self.state {
@@ -487,11 +557,24 @@ impl<B: Backend> Policy<B> {
     /// `<param>.exp_avg_sq`) and the step count in `optimizer.json`. Each file is written
     /// under a temporary name and renamed; `optimizer.json` goes last, so its presence
     /// marks a complete save.
+    ///
+    /// A sharded state is saved by every rank of its group together: each rank writes its
+    /// shard of the masters and moments (`optimizer-rank-R-of-W.safetensors`), then, once
+    /// all have, rank 0 writes the weights (the model's own, in their storage precision:
+    /// the exact masters are in the shards) and `optimizer.json` with the layout.
     pub fn save(&self, dir: &Path) -> Result<()> {
         std::fs::create_dir_all(dir).map_err(|source| Error::Io {
             path: dir.to_path_buf(),
             source,
         })?;
+        let mut sharding = None;
+        if let OptimizerState::Sharded(sharded) = &self.state {
+            sharding = Some(sharded.save(dir)?);
+            sharded.barrier()?;
+            if sharded.rank() != 0 {
+                return Ok(());
+            }
+        }
         // A state holds weights or adapters, never both: an overwritten save of the other
         // kind must not leave its folder behind.
         match self.model.lora_config() {
@@ -537,9 +620,21 @@ impl<B: Backend> Policy<B> {
                 }
                 weights::save_tensor_views(optimizer_file, &tensors)?;
             }
+            OptimizerState::Sharded(_) => match std::fs::remove_file(&optimizer_file) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                    return Err(Error::Io {
+                        path: optimizer_file,
+                        source: e,
+                    })
+                }
+                _ => {}
+            },
         }
-        let meta = serde_json::to_string_pretty(&OptimizerMeta { step: self.step })
-            .expect("optimizer meta serializes");
+        let meta = OptimizerMeta {
+            step: self.step,
+            sharding,
+        };
+        let meta = serde_json::to_string_pretty(&meta).expect("optimizer meta serializes");
         write_atomically(&dir.join(OPTIMIZER_META), meta.as_bytes())
     }
 
@@ -556,12 +651,60 @@ impl<B: Backend> Policy<B> {
             });
         }
         let meta = read_optimizer_meta(dir)?;
-        let (config, host) = weights::load_model_dir(dir.join(MODEL_DIR))?;
+        let (config, mut host) = weights::load_model_dir(dir.join(MODEL_DIR))?;
+        let Some(sharding) = &meta.sharding else {
+            let model = Transformer::from_host_weights(Arc::clone(&backend), config, &host)?;
+            // The weights are on the backend now; at 8B this host copy is 33 GB, which the
+            // moments need next.
+            drop(host);
+            return Self::with_saved_optimizer(model, dir, meta, placement);
+        };
+        // Saved in shards: the exact masters and the moments come from every rank's file.
+        let specs = weights::tensor_specs(&config);
+        let lens: Vec<usize> = specs.iter().map(|(_, s)| s.iter().product()).collect();
+        let (masters, moments) = read_full_state(dir, sharding, &lens)?;
+        for ((name, _), master) in specs.iter().zip(masters) {
+            if let Some(tensor) = host.get_mut(name) {
+                tensor.data = master;
+            }
+        }
         let model = Transformer::from_host_weights(Arc::clone(&backend), config, &host)?;
-        // The weights are on the backend now; at 8B this host copy is 33 GB, which the
-        // moments need next.
         drop(host);
-        Self::with_saved_optimizer(model, dir, meta, placement)
+        let moments = moments.map(|moments| {
+            specs
+                .into_iter()
+                .map(|(name, _)| name)
+                .zip(moments)
+                .collect::<BTreeMap<_, _>>()
+        });
+        Self::with_moments(model, meta.step, moments.unwrap_or_default(), placement)
+    }
+
+    /// [`Policy::load`] of one rank of a data-parallel group whose optimizer state is
+    /// sharded ([`Policy::shard_optimizer`]): every rank calls it with the same `dir`,
+    /// saved sharded at any world size (each rank reads the saved shards that overlap
+    /// its own) or unsharded (each rank takes its shard of the whole state).
+    pub fn load_sharded(
+        backend: Arc<B>,
+        dir: &Path,
+        placement: OptimizerPlacement,
+        collective: Arc<dyn Collective<B>>,
+    ) -> Result<Self> {
+        let meta = read_optimizer_meta(dir)?;
+        let Some(sharding) = &meta.sharding else {
+            let mut policy = Self::load(backend, dir, OptimizerPlacement::Device)?;
+            policy.shard_optimizer(collective, placement)?;
+            return Ok(policy);
+        };
+        let (config, host) = weights::load_model_dir(dir.join(MODEL_DIR))?;
+        let mut model = Transformer::from_host_weights(backend, config, &host)?;
+        drop(host);
+        let sharded = ShardedOptimizer::load(&mut model, collective, placement, dir, sharding)?;
+        Ok(Policy {
+            model,
+            state: OptimizerState::Sharded(sharded),
+            step: meta.step,
+        })
     }
 
     /// Restores a LoRA policy written by [`Policy::save`]: the adapters under
@@ -633,8 +776,19 @@ impl<B: Backend> Policy<B> {
                 meta.step
             )));
         }
+        Self::with_moments(model, meta.step, moments, placement)
+    }
+
+    /// `model` after `step` optimizer steps with these AdamW `moments` (by parameter
+    /// name), the optimizer state at `placement`.
+    fn with_moments(
+        model: Transformer<B>,
+        step: u64,
+        moments: BTreeMap<String, (Vec<f32>, Vec<f32>)>,
+        placement: OptimizerPlacement,
+    ) -> Result<Self> {
         let mut policy = Policy::new(model);
-        policy.step = meta.step;
+        policy.step = step;
         policy.set_optimizer_placement(placement)?;
         let backend = Arc::clone(policy.model.backend());
         for (name, (m, v)) in moments {
@@ -650,11 +804,16 @@ impl<B: Backend> Policy<B> {
                     let param = params.get_mut(&name).expect("a trainable parameter");
                     param.moments = Some(Moments { m, v });
                 }
+                OptimizerState::Sharded(_) => unreachable!("a new policy is not sharded"),
             }
         }
         Ok(policy)
     }
 }
+
+/// Elements of one bucket of a sharded optimizer: 100 MB of f32 gradients staged for each
+/// reduce-scatter. Saved with the state, so a checkpoint keeps its layout.
+const SHARD_BUCKET_ELEMENTS: usize = 25 << 20;
 
 /// Elements of one bucket of the data-parallel gradient sum: 100 MB of f32, about what
 /// PyTorch's DDP buckets hold (25 MB by default) times four, since floe sums once per
@@ -743,6 +902,7 @@ pub fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::sharded;
     use floe_backend::cpu::CpuBackend;
     use floe_backend::InProcessCollective;
     use floe_model::{Architecture, ModelConfig};
@@ -999,5 +1159,221 @@ mod tests {
             assert_eq!(ranks[0].1[name].data, sum, "{name}");
             assert_eq!(ranks[1].1[name].data, sum, "{name}");
         }
+    }
+
+    /// Sets the gradients to `grads` (by name).
+    fn set_grads(policy: &mut Policy<CpuBackend>, grads: &BTreeMap<String, HostTensor>) {
+        let backend = Arc::clone(policy.model.backend());
+        policy
+            .model
+            .visit_params(&mut |name, slot| {
+                let grad = backend.upload(&grads[name].data, BufKind::Full)?;
+                Ok(backend.copy(slot.grad, &grad)?)
+            })
+            .unwrap();
+    }
+
+    /// Element-wise sum of every rank's gradients, in rank order (the in-process
+    /// collective's order).
+    fn summed(ranks: &[BTreeMap<String, HostTensor>]) -> BTreeMap<String, HostTensor> {
+        let mut sum = ranks[0].clone();
+        for rank in &ranks[1..] {
+            for (name, tensor) in sum.iter_mut() {
+                for (s, g) in tensor.data.iter_mut().zip(&rank[name].data) {
+                    *s += g;
+                }
+            }
+        }
+        sum
+    }
+
+    /// What each rank of a sharded group did: its own gradients of every step, the step
+    /// outcomes, and its weights at the end.
+    type ShardedRun = (
+        Vec<BTreeMap<String, HostTensor>>,
+        Vec<StepOutcome>,
+        BTreeMap<String, HostTensor>,
+    );
+
+    /// `steps` steps of `world_size` ranks (threads) whose optimizer is sharded in
+    /// buckets of `bucket_elements`, each rank on its own batch; the policies start from
+    /// `start(rank)` and end saved under `save` when given.
+    fn sharded_ranks(
+        world_size: usize,
+        start: &(dyn Fn(Arc<dyn Collective<CpuBackend>>) -> Policy<CpuBackend> + Sync),
+        steps: usize,
+        params: &OptimParams,
+        save: Option<&Path>,
+    ) -> Vec<ShardedRun> {
+        let group =
+            InProcessCollective::<f32>::group(world_size, std::time::Duration::from_secs(60));
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = group
+                .into_iter()
+                .enumerate()
+                .map(|(rank, collective)| {
+                    scope.spawn(move || {
+                        let collective: Arc<dyn Collective<CpuBackend>> = Arc::new(collective);
+                        let mut policy = start(Arc::clone(&collective));
+                        assert!(policy.is_sharded());
+                        let (mut grads, mut outcomes) = (Vec::new(), Vec::new());
+                        for step in 0..steps {
+                            let tokens: Vec<u32> = (0..4 + rank + step)
+                                .map(|i| (3 + 5 * i + rank) as u32 % 30)
+                                .collect();
+                            let batch = PackedBatch::from_sequences(&[tokens]).unwrap();
+                            let rows = batch.len();
+                            policy
+                                .forward_backward(&batch, 1.0, &mut |_| {
+                                    Ok((vec![-1.0; rows], vec![0.0; rows]))
+                                })
+                                .unwrap();
+                            grads.push(policy.model().grads_to_host().unwrap());
+                            let outcome = policy
+                                .optim_step_data_parallel(params, &*collective)
+                                .unwrap();
+                            outcomes.push(outcome);
+                        }
+                        if let Some(dir) = save {
+                            policy.save(dir).unwrap();
+                        }
+                        (grads, outcomes, policy.master_weights_to_host().unwrap())
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    }
+
+    /// Steps `reference` with the summed gradients of `ranks`, checking that every rank
+    /// reported the reference's outcome (its norm up to the order of the sums) and ends
+    /// with its weights bit for bit.
+    fn assert_steps_as_one(
+        reference: &mut Policy<CpuBackend>,
+        ranks: &[ShardedRun],
+        params: &OptimParams,
+    ) {
+        for step in 0..ranks[0].1.len() {
+            let grads: Vec<_> = ranks.iter().map(|r| r.0[step].clone()).collect();
+            set_grads(reference, &summed(&grads));
+            let expected = reference.optim_step(params).unwrap();
+            for (rank, run) in ranks.iter().enumerate() {
+                let got = run.1[step];
+                assert_eq!((got.skipped, got.step), (expected.skipped, expected.step));
+                let close = (got.grad_norm - expected.grad_norm).abs() <= 1e-6 * expected.grad_norm;
+                assert!(
+                    close,
+                    "rank {rank} step {step}: norm {} vs {}",
+                    got.grad_norm, expected.grad_norm
+                );
+            }
+        }
+        let weights = reference.model().to_host_weights().unwrap();
+        for (rank, run) in ranks.iter().enumerate() {
+            assert!(
+                run.2 == weights,
+                "rank {rank}'s weights differ from one optimizer's"
+            );
+        }
+    }
+
+    #[test]
+    fn a_sharded_optimizer_steps_as_one_optimizer_and_resumes_at_any_world_size() {
+        // No clipping, so the update sees the same gradient bits as one optimizer's.
+        let params = OptimParams {
+            max_grad_norm: 0.0,
+            ..PARAMS
+        };
+        // Small buckets: parameters span buckets, and buckets are padded for 3 ranks.
+        let bucket_elements = 301;
+        let dir = temp_dir("sharded");
+        for placement in [OptimizerPlacement::Device, OptimizerPlacement::Host] {
+            let fresh = |collective: Arc<dyn Collective<CpuBackend>>| {
+                let backend = Arc::new(CpuBackend::<f32>::new());
+                let model = Transformer::new_random(backend, tiny_config(), 7).unwrap();
+                let mut policy = Policy::new(model);
+                policy
+                    .shard_optimizer_in_buckets(collective, placement, bucket_elements)
+                    .unwrap();
+                policy
+            };
+            let ranks = sharded_ranks(3, &fresh, 3, &params, Some(&dir));
+            let backend = Arc::new(CpuBackend::<f32>::new());
+            let model = Transformer::new_random(Arc::clone(&backend), tiny_config(), 7).unwrap();
+            let mut reference = Policy::new(model);
+            assert_steps_as_one(&mut reference, &ranks, &params);
+            assert!(dir.join(sharded::shard_file(2, 3)).is_file());
+            assert!(!dir.join(OPTIMIZER_FILE).exists());
+
+            // Saved over 3 ranks, resumed on 2 and on 4 ranks, and by one unsharded policy.
+            for world_size in [2, 4] {
+                let resume = |collective: Arc<dyn Collective<CpuBackend>>| {
+                    let backend = Arc::new(CpuBackend::<f32>::new());
+                    Policy::load_sharded(backend, &dir, placement, collective).unwrap()
+                };
+                let resumed = sharded_ranks(world_size, &resume, 1, &params, None);
+                let mut next = Policy::load(Arc::clone(&backend), &dir, placement).unwrap();
+                assert_eq!(next.step(), 3);
+                assert!(next.master_weights_to_host().unwrap() == ranks[0].2);
+                assert_steps_as_one(&mut next, &resumed, &params);
+            }
+        }
+        // An unsharded state splits when loaded by a sharded group.
+        let model = Transformer::new_random(
+            Arc::clone(&Arc::new(CpuBackend::<f32>::new())),
+            tiny_config(),
+            7,
+        )
+        .unwrap();
+        let mut single = Policy::new(model);
+        let batch = PackedBatch::from_sequences(&[vec![3, 5, 7, 9, 11]]).unwrap();
+        train_step(&mut single, &batch);
+        single.save(&dir).unwrap();
+        let resume = |collective: Arc<dyn Collective<CpuBackend>>| {
+            let backend = Arc::new(CpuBackend::<f32>::new());
+            Policy::load_sharded(backend, &dir, OptimizerPlacement::Device, collective).unwrap()
+        };
+        let resumed = sharded_ranks(2, &resume, 2, &params, None);
+        assert_steps_as_one(&mut single, &resumed, &params);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn clipping_uses_the_norm_of_the_summed_shards() {
+        let params = OptimParams {
+            max_grad_norm: 0.01,
+            ..PARAMS
+        };
+        let bucket_elements = 97;
+        let fresh = |collective: Arc<dyn Collective<CpuBackend>>| {
+            let backend = Arc::new(CpuBackend::<f32>::new());
+            let model = Transformer::new_random(backend, tiny_config(), 7).unwrap();
+            let mut policy = Policy::new(model);
+            policy
+                .shard_optimizer_in_buckets(collective, OptimizerPlacement::Device, bucket_elements)
+                .unwrap();
+            policy
+        };
+        let ranks = sharded_ranks(2, &fresh, 1, &params, None);
+        let backend = Arc::new(CpuBackend::<f32>::new());
+        let model = Transformer::new_random(backend, tiny_config(), 7).unwrap();
+        let mut reference = Policy::new(model);
+        let grads: Vec<_> = ranks.iter().map(|r| r.0[0].clone()).collect();
+        set_grads(&mut reference, &summed(&grads));
+        let expected = reference.optim_step(&params).unwrap();
+        assert!(
+            expected.grad_norm > f64::from(params.max_grad_norm),
+            "the clip acts"
+        );
+        let weights = reference.model().to_host_weights().unwrap();
+        for run in &ranks {
+            assert!((run.1[0].grad_norm - expected.grad_norm).abs() <= 1e-6 * expected.grad_norm);
+            for (name, tensor) in &weights {
+                for (g, e) in run.2[name].data.iter().zip(&tensor.data) {
+                    assert!((g - e).abs() <= 1e-6, "{name}: {g} vs {e}");
+                }
+            }
+        }
+        assert!(ranks[0].2 == ranks[1].2, "ranks agree bit for bit");
     }
 }

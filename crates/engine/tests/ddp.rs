@@ -166,14 +166,28 @@ fn train<T: CpuFloat>(
     batches: &[Vec<TrainGroup>],
     loss: &Loss,
 ) -> Run {
-    let steps = batches
+    let steps = train_steps(&mut engine, batches, loss);
+    finish(engine, steps)
+}
+
+/// One forward-backward and optimizer step per mini-batch.
+fn train_steps<T: CpuFloat>(
+    engine: &mut LocalEngine<CpuBackend<T>>,
+    batches: &[Vec<TrainGroup>],
+    loss: &Loss,
+) -> Vec<Step> {
+    batches
         .iter()
         .map(|groups| {
             let output = engine.forward_backward(groups, loss, 1.0).unwrap();
             let outcome = engine.optim_step(&OPTIM).unwrap();
             Step { output, outcome }
         })
-        .collect();
+        .collect()
+}
+
+/// `steps` with the engine's trained weights.
+fn finish<T: CpuFloat>(engine: LocalEngine<CpuBackend<T>>, steps: Vec<Step>) -> Run {
     let model = engine.policy().model();
     let weights = if model.lora_config().is_some() {
         model.adapters_to_host().unwrap()
@@ -519,4 +533,176 @@ fn a_non_finite_gradient_on_one_rank_skips_the_step_on_every_rank() {
         .iter()
         .zip(weights(&expected))
         .all(|(&g, e)| f64::from((g - e).abs()) <= F64.weights));
+}
+
+/// Runs `work(rank, collective)` on `world_size` threads of one in-process group; the
+/// results in rank order.
+fn on_ranks<T: CpuFloat, R: Send>(
+    world_size: usize,
+    work: impl Fn(usize, Arc<dyn Collective<CpuBackend<T>>>) -> R + Sync,
+) -> Vec<R> {
+    let group = InProcessCollective::<T>::group(world_size, Duration::from_secs(120));
+    std::thread::scope(|scope| {
+        let work = &work;
+        let ranks: Vec<_> = group
+            .into_iter()
+            .enumerate()
+            .map(|(rank, collective)| scope.spawn(move || work(rank, Arc::new(collective))))
+            .collect();
+        ranks.into_iter().map(|r| r.join().unwrap()).collect()
+    })
+}
+
+fn zero_stage_1(placement: OptimizerPlacement) -> LocalEngineOptions {
+    LocalEngineOptions {
+        zero_stage: 1,
+        ..options(placement)
+    }
+}
+
+/// Rank `rank` of `world_size` engines sharing `batches` with a sharded optimizer, from
+/// `source(rank)`.
+fn sharded_engine<T: CpuFloat>(
+    collective: Arc<dyn Collective<CpuBackend<T>>>,
+    source: ModelSource,
+    placement: OptimizerPlacement,
+) -> LocalEngine<CpuBackend<T>> {
+    let engine = LocalEngine::new_data_parallel(
+        Arc::new(CpuBackend::<T>::new()),
+        source,
+        None,
+        zero_stage_1(placement),
+        collective,
+    )
+    .unwrap();
+    assert!(engine.policy().is_sharded());
+    engine
+}
+
+fn rank_shares(
+    batches: &[Vec<TrainGroup>],
+    world_size: usize,
+    rank: usize,
+) -> Vec<Vec<TrainGroup>> {
+    batches
+        .iter()
+        .map(|groups| share(groups, world_size, rank))
+        .collect()
+}
+
+#[test]
+fn zero_stage_1_on_1_to_4_ranks_trains_as_one_engine() {
+    let loss = policy_loss(LossReduction::TokenMean);
+    let batches = batches(7);
+    let expected = single::<f64>(random(SEED), &batches, &loss);
+    assert_clipped(&expected);
+    for world_size in 1..=4 {
+        let ranks = on_ranks::<f64, _>(world_size, |rank, collective| {
+            let source = seeded_per_rank(rank);
+            let engine = sharded_engine(collective, source, OptimizerPlacement::Device);
+            train(engine, &rank_shares(&batches, world_size, rank), &loss)
+        });
+        assert_matches(&ranks, &expected, &F64, true);
+    }
+    // Host shards keep f32 masters, as the host optimizer does.
+    let f32_masters = Tolerance {
+        scalars: 1e-7,
+        weights: 1e-6,
+    };
+    let ranks = on_ranks::<f64, _>(3, |rank, collective| {
+        let engine = sharded_engine(collective, seeded_per_rank(rank), OptimizerPlacement::Host);
+        train(engine, &rank_shares(&batches, 3, rank), &loss)
+    });
+    assert_matches(&ranks, &expected, &f32_masters, true);
+}
+
+#[test]
+fn a_zero_stage_1_checkpoint_resumes_at_other_world_sizes() {
+    let loss = policy_loss(LossReduction::TokenMean);
+    let batches = batches(6);
+    let dir = tempfile::tempdir().unwrap();
+    // Checkpoints hold f32, so the f32 backend resumes exactly; other world sizes sum in
+    // other orders.
+    let f32_rounding = Tolerance {
+        scalars: 1e-6,
+        weights: 2e-5,
+    };
+    // Three ranks train two steps and save, each its shard; then the third step.
+    let straight = on_ranks::<f32, _>(3, |rank, collective| {
+        let mut engine = sharded_engine(collective, random(SEED), OptimizerPlacement::Device);
+        let shares = rank_shares(&batches, 3, rank);
+        let first = train_steps(&mut engine, &shares[..2], &loss);
+        engine.save_state(dir.path()).unwrap();
+        let rest = train_steps(&mut engine, &shares[2..], &loss);
+        (first, finish(engine, rest))
+    });
+    let (first, third): (Vec<_>, Vec<_>) = straight.into_iter().unzip();
+    assert!(first.iter().all(|f| f == &first[0]));
+    // On the same world size the resume is exact.
+    let again = on_ranks::<f32, _>(3, |rank, collective| {
+        let mut engine = sharded_engine(collective, random(SEED + 9), OptimizerPlacement::Device);
+        engine.load_state(dir.path()).unwrap();
+        let steps = train_steps(&mut engine, &rank_shares(&batches, 3, rank)[2..], &loss);
+        finish(engine, steps)
+    });
+    assert!(
+        again == third,
+        "resumed on 3 ranks: not the uninterrupted run's bits"
+    );
+    // Resumed on 2 and 4 sharded ranks, and by one engine without a collective.
+    for world_size in [2, 4] {
+        let resumed = on_ranks::<f32, _>(world_size, |rank, collective| {
+            // Built from other weights: the load replaces them.
+            let source = seeded_per_rank(rank + 1);
+            let mut engine = sharded_engine(collective, source, OptimizerPlacement::Device);
+            engine.load_state(dir.path()).unwrap();
+            assert!(engine.policy().is_sharded());
+            let shares = rank_shares(&batches, world_size, rank);
+            let steps = train_steps(&mut engine, &shares[2..], &loss);
+            finish(engine, steps)
+        });
+        assert_matches(&resumed, &third[0], &f32_rounding, true);
+    }
+    let backend = Arc::new(CpuBackend::<f32>::new());
+    let mut engine = LocalEngine::new(
+        backend,
+        random(SEED + 5),
+        None,
+        options(OptimizerPlacement::Device),
+    )
+    .unwrap();
+    engine.load_state(dir.path()).unwrap();
+    let steps = train_steps(&mut engine, &batches[2..], &loss);
+    assert_matches(&[finish(engine, steps)], &third[0], &f32_rounding, true);
+}
+
+#[test]
+fn zero_stages_beyond_1_and_sharded_lora_are_refused() {
+    let backend = Arc::new(CpuBackend::<f32>::new());
+    let options = LocalEngineOptions {
+        zero_stage: 3,
+        ..options(OptimizerPlacement::Device)
+    };
+    let err = LocalEngine::new(backend, random(SEED), None, options)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(err.contains("engine.zero_stage = 3"), "{err}");
+    let errors = on_ranks::<f32, _>(2, |_, collective| {
+        LocalEngine::new_data_parallel(
+            Arc::new(CpuBackend::<f32>::new()),
+            lora(4),
+            None,
+            zero_stage_1(OptimizerPlacement::Device),
+            collective,
+        )
+        .err()
+        .unwrap()
+        .to_string()
+    });
+    assert!(
+        errors[0].contains("LoRA") && errors[0].contains("zero_stage"),
+        "{}",
+        errors[0]
+    );
 }

@@ -408,30 +408,21 @@ impl<T: CpuFloat> Backend for CpuBackend<T> {
         Ok(())
     }
 
-    fn copy_into(&self, dst: &mut CpuBuf<T>, offset: usize, src: &CpuBuf<T>) -> Result<()> {
-        const OP: &str = "copy_into";
-        let src_len = self.len(src);
-        contract::copy_into(self.len(dst), offset, src_len)?;
-        same_kind(OP, dst, src)?;
+    fn copy_range(
+        &self,
+        dst: &mut CpuBuf<T>,
+        dst_offset: usize,
+        src: &CpuBuf<T>,
+        src_offset: usize,
+        len: usize,
+    ) -> Result<()> {
+        contract::copy_range(self.len(dst), dst_offset, self.len(src), src_offset, len)?;
+        same_kind("copy_range", dst, src)?;
+        let (to, from) = (dst_offset..dst_offset + len, src_offset..src_offset + len);
         match (dst, src) {
-            (CpuBuf::Index(d), CpuBuf::Index(s)) => d[offset..offset + src_len].copy_from_slice(s),
+            (CpuBuf::Index(d), CpuBuf::Index(s)) => d[to].copy_from_slice(&s[from]),
             (CpuBuf::Float { data: d, .. }, CpuBuf::Float { data: s, .. }) => {
-                d[offset..offset + src_len].copy_from_slice(s)
-            }
-            _ => unreachable!("kinds checked equal above"),
-        }
-        Ok(())
-    }
-
-    fn copy_from(&self, dst: &mut CpuBuf<T>, src: &CpuBuf<T>, offset: usize) -> Result<()> {
-        const OP: &str = "copy_from";
-        let dst_len = self.len(dst);
-        contract::copy_from(dst_len, self.len(src), offset)?;
-        same_kind(OP, dst, src)?;
-        match (dst, src) {
-            (CpuBuf::Index(d), CpuBuf::Index(s)) => d.copy_from_slice(&s[offset..offset + dst_len]),
-            (CpuBuf::Float { data: d, .. }, CpuBuf::Float { data: s, .. }) => {
-                d.copy_from_slice(&s[offset..offset + dst_len])
+                d[to].copy_from_slice(&s[from])
             }
             _ => unreachable!("kinds checked equal above"),
         }

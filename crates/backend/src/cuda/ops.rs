@@ -378,47 +378,30 @@ impl Backend for CudaBackend {
         Ok(())
     }
 
-    fn copy_into(&self, dst: &mut CudaBuf, offset: usize, src: &CudaBuf) -> Result<()> {
-        const OP: &str = "copy_into";
-        need(OP, "src", src, dst.kind)?;
-        let n = src.len;
-        contract::copy_into(dst.len, offset, n)?;
-        if n == 0 {
+    fn copy_range(
+        &self,
+        dst: &mut CudaBuf,
+        dst_offset: usize,
+        src: &CudaBuf,
+        src_offset: usize,
+        len: usize,
+    ) -> Result<()> {
+        need("copy_range", "src", src, dst.kind)?;
+        contract::copy_range(dst.len, dst_offset, src.len, src_offset, len)?;
+        if len == 0 {
             return Ok(());
         }
+        let (to, from) = (dst_offset..dst_offset + len, src_offset..src_offset + len);
         match (&mut dst.storage, &src.storage) {
             (Storage::Bf16(d), Storage::Bf16(s)) => self
                 .stream
-                .memcpy_dtod(&s.slice(..n), &mut d.slice_mut(offset..offset + n))?,
+                .memcpy_dtod(&s.slice(from), &mut d.slice_mut(to))?,
             (Storage::F32(d), Storage::F32(s)) => self
                 .stream
-                .memcpy_dtod(&s.slice(..n), &mut d.slice_mut(offset..offset + n))?,
+                .memcpy_dtod(&s.slice(from), &mut d.slice_mut(to))?,
             (Storage::U32(d), Storage::U32(s)) => self
                 .stream
-                .memcpy_dtod(&s.slice(..n), &mut d.slice_mut(offset..offset + n))?,
-            _ => unreachable!("kinds checked equal above"),
-        }
-        Ok(())
-    }
-
-    fn copy_from(&self, dst: &mut CudaBuf, src: &CudaBuf, offset: usize) -> Result<()> {
-        const OP: &str = "copy_from";
-        need(OP, "src", src, dst.kind)?;
-        let n = dst.len;
-        contract::copy_from(n, src.len, offset)?;
-        if n == 0 {
-            return Ok(());
-        }
-        match (&mut dst.storage, &src.storage) {
-            (Storage::Bf16(d), Storage::Bf16(s)) => self
-                .stream
-                .memcpy_dtod(&s.slice(offset..offset + n), &mut d.slice_mut(..n))?,
-            (Storage::F32(d), Storage::F32(s)) => self
-                .stream
-                .memcpy_dtod(&s.slice(offset..offset + n), &mut d.slice_mut(..n))?,
-            (Storage::U32(d), Storage::U32(s)) => self
-                .stream
-                .memcpy_dtod(&s.slice(offset..offset + n), &mut d.slice_mut(..n))?,
+                .memcpy_dtod(&s.slice(from), &mut d.slice_mut(to))?,
             _ => unreachable!("kinds checked equal above"),
         }
         Ok(())

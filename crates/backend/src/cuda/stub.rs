@@ -113,11 +113,14 @@ impl Backend for CudaBackend {
         match *self {}
     }
 
-    fn copy_into(&self, _dst: &mut CudaBuf, _offset: usize, _src: &CudaBuf) -> Result<()> {
-        match *self {}
-    }
-
-    fn copy_from(&self, _dst: &mut CudaBuf, _src: &CudaBuf, _offset: usize) -> Result<()> {
+    fn copy_range(
+        &self,
+        _dst: &mut CudaBuf,
+        _dst_offset: usize,
+        _src: &CudaBuf,
+        _src_offset: usize,
+        _len: usize,
+    ) -> Result<()> {
         match *self {}
     }
 
