@@ -5,7 +5,7 @@
 #![cfg(feature = "cuda")]
 
 use std::thread;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use floe_backend::cpu::CpuBackend;
 use floe_backend::cuda::{CudaBackend, NcclCollective};
@@ -105,4 +105,32 @@ fn nccl_matches_the_in_process_collective() {
         }
     }
     eprintln!("NCCL over {world_size} GPU(s) matches the in-process collective");
+}
+
+#[test]
+fn a_watched_world_of_one_runs_ops_and_drops_promptly() {
+    let Ok(b) = CudaBackend::new(0) else {
+        eprintln!("skipping: no usable GPU");
+        return;
+    };
+    let id = match NcclCollective::unique_id() {
+        Ok(id) => id,
+        Err(e) => {
+            eprintln!("skipping: NCCL unavailable ({e})");
+            return;
+        }
+    };
+    let c = NcclCollective::new(&b, 0, 1, &id).unwrap();
+    let first = run(&b, &c);
+    // Long enough for the watchdog to look at finished collectives a few times.
+    thread::sleep(Duration::from_secs(1));
+    assert_eq!(run(&b, &c), first, "the same ops give the same results");
+    let start = Instant::now();
+    drop(c);
+    // The watchdog stops on drop, not at its next poll, and the abort is immediate.
+    assert!(
+        start.elapsed() < Duration::from_secs(5),
+        "drop took {:?}",
+        start.elapsed()
+    );
 }

@@ -13,7 +13,8 @@
 //! - `ops.rs`: the [`crate::Backend`] implementation: host-side checks (the shapes by
 //!   [`crate::contract`]), then launches.
 //! - `nccl.rs`: [`NcclCollective`], the [`crate::Collective`] ops over NCCL on the
-//!   backend's stream.
+//!   backend's stream, and the watchdog thread that aborts a communicator whose peer
+//!   died or hung (its decisions are `crate::collective_watchdog`'s).
 //! - `attention.rs`: the work lists (query tiles, key tiles and the query ranges that
 //!   read each key tile) of the packed-segment attention kernels.
 //! - `kernels/`: CUDA C sources, one file per family of ops, each with its reference in
