@@ -410,6 +410,10 @@ impl<B: Backend> LocalEngine<B> {
             source.base_is_resident(),
             &options,
             gate.as_ref().map_or(0, Gate::reserved),
+            match &collective {
+                Some(collective) if options.zero_stage == 1 => collective.world_size(),
+                _ => 1,
+            },
         );
         plan.check()?;
         let mut policy = Policy::new(source.load(Arc::clone(&backend), BaseStorage::Trainable)?);
@@ -514,6 +518,14 @@ impl<B: Backend> LocalEngine<B> {
         }
     }
 
+    /// Ranks the optimizer state is split over (1 when it is whole).
+    fn optimizer_shards(&self) -> usize {
+        match &self.data_parallel {
+            Some(dp) if self.policy.is_sharded() => dp.collective.world_size(),
+            _ => 1,
+        }
+    }
+
     /// Rebuilds sampler and info after the model's shape may have changed.
     fn resize_for_model(&mut self) -> Result<()> {
         let model = self.policy.model();
@@ -532,6 +544,7 @@ impl<B: Backend> LocalEngine<B> {
             self.admission
                 .as_ref()
                 .map_or(0, Reservation::reserved_by_others),
+            self.optimizer_shards(),
         );
         self.sampler_config = sampler_config(model, &self.options, &plan);
         self.sampler = Some(new_sampler(model, &self.sampler_config, &self.tokenizer)?);
@@ -1476,6 +1489,7 @@ fn memory_plan<B: Backend>(
     base_resident: bool,
     options: &LocalEngineOptions,
     reserved_by_others: usize,
+    optimizer_shards: usize,
 ) -> MemoryPlan {
     let budget = backend.memory_info().map(|(free, _total)| {
         ((free as f64 * options.memory_fraction) as usize).saturating_sub(reserved_by_others)
@@ -1486,6 +1500,7 @@ fn memory_plan<B: Backend>(
         base_resident,
         device: options.device,
         placement: options.optimizer_placement,
+        optimizer_shards,
         recompute: options.recompute,
         kv_cache_tokens_wanted: options.kv_cache_tokens_wanted,
         kv_cache_bytes: options.kv_cache_bytes,

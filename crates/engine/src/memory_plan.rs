@@ -29,6 +29,9 @@ use crate::policy::OptimizerPlacement;
 /// The CUDA backend's lm-head works through logits of at most this many elements at a
 /// time (f32; the backward holds a second such chunk), as `floe_model` sizes its chunks.
 const DEVICE_LM_HEAD_CHUNK_LOGITS: usize = 1 << 26;
+/// Elements of a sharded optimizer's staging bucket (`policy::SHARD_BUCKET_ELEMENTS`):
+/// one of gradients (Full) and one of weights (compute precision) are held.
+const SHARD_STAGING_ELEMENTS: usize = 25 << 20;
 /// cuBLAS workspace and the CUDA context's own allocations, kept free.
 const DEVICE_RESERVE_BYTES: usize = 1 << 30;
 /// The smallest KV cache worth sampling with: a plan that leaves less does not fit.
@@ -48,6 +51,9 @@ pub struct PlanInputs<'a> {
     pub device: Device,
     /// Where the optimizer keeps masters and moments.
     pub placement: OptimizerPlacement,
+    /// Ranks the optimizer state is split over (`engine.zero_stage = 1` on a
+    /// data-parallel group; 1: each rank holds all of it). Adapters are never split.
+    pub optimizer_shards: usize,
     /// Which layers' activations the backward recomputes.
     pub recompute: Recompute,
     /// Tokens the sampler's KV cache should hold; [`Recompute::Auto`] recomputes layers
@@ -136,18 +142,23 @@ impl MemoryPlan {
             None => base,
         };
         let host_optimizer = inputs.placement == OptimizerPlacement::Host;
+        let frozen_base = inputs.lora.is_some();
+        let shards = if frozen_base {
+            1
+        } else {
+            inputs.optimizer_shards.max(1)
+        };
         let mut device = Vec::new();
         let mut host = Vec::new();
         // The weights forwards read; on the CPU they are the masters themselves.
         let separate_compute = on_device && compute != full;
-        let frozen_base = inputs.lora.is_some();
         if separate_compute && !inputs.base_resident {
             device.push(item("weights (compute precision)", base * compute));
         }
-        // The base's Full masters stay on the device unless a host optimizer of the full
-        // weights took them or the base is frozen under adapters (on the CPU they are the
-        // weights themselves).
-        let device_masters = !separate_compute || !(frozen_base || host_optimizer);
+        // The base's Full masters stay on the device unless a host or sharded optimizer
+        // of the full weights took them or the base is frozen under adapters (on the CPU
+        // they are the weights themselves).
+        let device_masters = !separate_compute || !(frozen_base || host_optimizer || shards > 1);
         if device_masters && !inputs.base_resident {
             device.push(item("master weights (f32)", base * full));
         }
@@ -169,10 +180,25 @@ impl MemoryPlan {
         } else {
             &mut device
         };
-        if host_optimizer && !frozen_base {
-            optimizer.push(item("master weights (f32)", base * full));
+        if shards > 1 {
+            optimizer.push(item(
+                "master weights, 1/N shard (f32)",
+                base.div_ceil(shards) * full,
+            ));
+            optimizer.push(item(
+                "AdamW moments, 1/N shard (f32)",
+                2 * trained.div_ceil(shards) * full,
+            ));
+            device.push(item(
+                "gradient shard, staging buckets",
+                trained.div_ceil(shards) * full + SHARD_STAGING_ELEMENTS * (full + compute),
+            ));
+        } else {
+            if host_optimizer && !frozen_base {
+                optimizer.push(item("master weights (f32)", base * full));
+            }
+            optimizer.push(item("AdamW moments (f32)", 2 * trained * full));
         }
-        optimizer.push(item("AdamW moments (f32)", 2 * trained * full));
         let tokens = inputs.max_tokens_per_microbatch;
         device.push(per_step(
             "activations of one micro-batch",
@@ -585,6 +611,7 @@ mod tests {
             base_resident: false,
             device: Device::Cuda(0),
             placement,
+            optimizer_shards: 1,
             recompute: Recompute::All,
             kv_cache_tokens_wanted: 0,
             kv_cache_bytes: None,

@@ -77,16 +77,44 @@ pub fn save_checkpoint<E: Engine, P: Serialize>(
     pending: Option<&P>,
     keep: i64,
 ) -> Result<PathBuf> {
-    let dir = checkpoint_dir(run_dir, state.global_step);
+    let partial = prepare_checkpoint(run_dir, state.global_step)?;
+    save_engine_state(engine, &partial)?;
+    commit_checkpoint(run_dir, &partial, state, pending, keep)
+}
+
+/// The empty folder the checkpoint of `step` is written into before
+/// [`commit_checkpoint`] renames it into place (a leftover of a killed save is removed).
+pub fn prepare_checkpoint(run_dir: &Path, step: u64) -> Result<PathBuf> {
+    let dir = checkpoint_dir(run_dir, step);
     let root = dir.parent().expect("a checkpoint folder has a parent");
-    let partial = root.join(format!(".{STEP_PREFIX}{}.partial", state.global_step));
+    let partial = root.join(format!(".{STEP_PREFIX}{step}.partial"));
     if partial.exists() {
         std::fs::remove_dir_all(&partial).map_err(io_error(&partial))?;
     }
     std::fs::create_dir_all(&partial).map_err(io_error(&partial))?;
+    Ok(partial)
+}
+
+/// Writes the engine's state into the folder [`prepare_checkpoint`] made. Every rank of
+/// a data-parallel run calls it (each writes its shard of a sharded optimizer).
+pub fn save_engine_state<E: Engine>(engine: &mut E, partial: &Path) -> Result<()> {
     engine
         .save_state(&partial.join(ENGINE_DIR))
-        .map_err(Error::verb("save_state"))?;
+        .map_err(Error::verb("save_state"))
+}
+
+/// Completes the checkpoint of `state.global_step` in `partial` (the engine's state
+/// already there): writes the trainer state and `pending`, renames it into place,
+/// points `latest` at it and removes the oldest beyond `keep`.
+pub fn commit_checkpoint<P: Serialize>(
+    run_dir: &Path,
+    partial: &Path,
+    state: &TrainerState,
+    pending: Option<&P>,
+    keep: i64,
+) -> Result<PathBuf> {
+    let dir = checkpoint_dir(run_dir, state.global_step);
+    let root = dir.parent().expect("a checkpoint folder has a parent");
     let state_path = partial.join(TRAINER_STATE_FILE);
     let text = serde_json::to_string_pretty(state).expect("trainer state serialises to JSON");
     std::fs::write(&state_path, text).map_err(io_error(&state_path))?;
@@ -98,7 +126,7 @@ pub fn save_checkpoint<E: Engine, P: Serialize>(
     if dir.exists() {
         std::fs::remove_dir_all(&dir).map_err(io_error(&dir))?;
     }
-    std::fs::rename(&partial, &dir).map_err(io_error(&dir))?;
+    std::fs::rename(partial, &dir).map_err(io_error(&dir))?;
     let latest = root.join(LATEST_FILE);
     let latest_partial = root.join(format!(".{LATEST_FILE}.partial"));
     let name = format!("{STEP_PREFIX}{}", state.global_step);

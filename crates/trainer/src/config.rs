@@ -581,6 +581,12 @@ pub struct EngineConfig {
     /// gradients, about 6 bytes a parameter instead of 18, at the cost of moving each
     /// step's gradients and weights over PCIe and updating on the CPU.
     pub offload_optimizer: bool,
+    /// ZeRO stage across the ranks of a data-parallel run (`floe launch`, torchrun,
+    /// Slurm): 0 keeps the whole optimizer state on every rank; 1 splits the f32 master
+    /// weights and AdamW moments over the ranks (each holds 1/N, on the device or, with
+    /// `offload_optimizer`, in host memory), and checkpoints are written in shards that
+    /// resume at any world size. With one rank nothing is split.
+    pub zero_stage: u8,
     /// Speculative decoding with prompt-lookup drafts: a draft length (`4`: up to 4
     /// tokens, matching the last 3 down to 1 tokens) or a table `{ max_draft = 4,
     /// ngram_max = 3, ngram_min = 2 }`. The samples are the ones drawn without it; it
@@ -603,6 +609,7 @@ impl Default for EngineConfig {
             remote: None,
             max_remote_recoveries: 3,
             offload_optimizer: false,
+            zero_stage: 0,
             speculative_ngram: None,
             exact_logprobs: false,
         }

@@ -25,8 +25,9 @@ use floe_rl::metrics::names;
 use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::checkpoint::{
-    latest_checkpoint, load_pending_batch, load_trainer_state, resume_checkpoint, save_checkpoint,
-    TrainerState, CHECKPOINTS_DIR, ENGINE_DIR, PENDING_BATCH_FILE,
+    commit_checkpoint, latest_checkpoint, load_pending_batch, load_trainer_state,
+    prepare_checkpoint, resume_checkpoint, save_engine_state, TrainerState, CHECKPOINTS_DIR,
+    ENGINE_DIR, PENDING_BATCH_FILE,
 };
 use crate::config::{Config, Logger, PipelineMode, TrainerConfig};
 use crate::data::{load_split, prepare_prompts, Prompt, Split};
@@ -693,16 +694,22 @@ impl<'a, E: Engine> Run<'a, E> {
         Ok(metrics)
     }
 
-    /// Saves the checkpoint of `step` when it is on `trainer.ckpt_interval` or the last;
-    /// rank 0 saves it (every rank holds the same weights and optimizer state).
+    /// Saves the checkpoint of `step` when it is on `trainer.ckpt_interval` or the last.
+    /// Across ranks, rank 0 prepares the folder, every rank saves its engine's state into
+    /// it (rank 0 the replicated state, each rank its shard of a sharded optimizer), and
+    /// rank 0 completes it.
     fn checkpoint_on_interval(&mut self, step: u64) -> Result<()> {
         let t = &self.config.trainer;
-        if !self.ranks.writes() {
-            return Ok(());
-        }
         if step == self.total_steps || on_interval(step, t.ckpt_interval) {
-            if let Some(bytes) = self.checkpoint_bytes {
-                check_checkpoint_space(self.config, bytes)?;
+            let partial = self.ranks.from_rank_zero(|| {
+                if let Some(bytes) = self.checkpoint_bytes {
+                    check_checkpoint_space(self.config, bytes)?;
+                }
+                prepare_checkpoint(&t.run_dir, self.state.global_step)
+            })?;
+            save_engine_state(self.engine, &partial)?;
+            if !self.ranks.writes() {
+                return Ok(());
             }
             // A batch sampled for the next step is saved beside the state, whose cursor
             // stands before it (what a resume without the batch samples again).
@@ -713,9 +720,9 @@ impl<'a, E: Engine> Run<'a, E> {
                 },
                 None => self.state.clone(),
             };
-            save_checkpoint(
-                self.engine,
+            commit_checkpoint(
                 &t.run_dir,
+                &partial,
                 &state,
                 self.pending.as_ref(),
                 t.max_ckpts_to_keep,

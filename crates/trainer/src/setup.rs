@@ -65,6 +65,7 @@ pub fn engine_options(config: &Config) -> LocalEngineOptions {
         seed: trainer.seed,
         speculative_ngram: config.engine.speculative_ngram,
         exact_logprobs: config.engine.exact_logprobs,
+        zero_stage: config.engine.zero_stage,
         ..defaults
     }
 }
@@ -227,8 +228,12 @@ fn embedded_tokenizer(run_dir: &Path, rows: &[Row], labelled: &[bool]) -> Result
 /// The memory plan of a run's local engine, from the recipe alone (no device, no
 /// weights): the shape of `model.path` (an embedded shape over the embedded vocabulary,
 /// or a folder's `config.json`) with a device budget of `engine.memory_fraction` of
-/// `device_bytes` (`None`: the CPU).
-pub fn memory_plan(config: &Config, device_bytes: Option<usize>) -> Result<MemoryPlan> {
+/// `device_bytes` (`None`: the CPU), on each of `world_size` data-parallel ranks.
+pub fn memory_plan(
+    config: &Config,
+    device_bytes: Option<usize>,
+    world_size: usize,
+) -> Result<MemoryPlan> {
     let model = planned_model(config)?;
     let options = engine_options(config);
     let lora = config.model.lora.adapters(config.trainer.seed);
@@ -238,6 +243,11 @@ pub fn memory_plan(config: &Config, device_bytes: Option<usize>) -> Result<Memor
         lora: lora.as_ref(),
         device: options.device,
         placement: options.optimizer_placement,
+        optimizer_shards: if options.zero_stage == 1 {
+            world_size
+        } else {
+            1
+        },
         recompute: options.recompute,
         kv_cache_tokens_wanted: options.kv_cache_tokens_wanted,
         kv_cache_bytes: options.kv_cache_bytes,

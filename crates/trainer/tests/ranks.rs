@@ -260,6 +260,48 @@ fn a_run_across_ranks_resumes_from_rank_zeros_checkpoint() {
     assert_eq!(weights(&run_dir, 2), straight_weights);
 }
 
+#[test]
+fn zero_stage_1_trains_as_one_process_and_resumes_at_other_world_sizes() {
+    let dir = tempfile::tempdir().unwrap();
+    let single_dir = dir.path().join("single");
+    let keep_all = ["trainer.max_ckpts_to_keep=-1".to_string()];
+    train_as_rank(&config(&single_dir, 3, &keep_all), registry(), None).unwrap();
+    let zero = [
+        "engine.zero_stage=1".to_string(),
+        "trainer.max_ckpts_to_keep=-1".to_string(),
+    ];
+    let run_dir = dir.path().join("zero-2");
+    run_ranks(&config(&run_dir, 3, &zero), 2);
+    let straight = step_metrics(&run_dir);
+    assert_metrics_close(
+        &straight,
+        &step_metrics(&single_dir),
+        "zero stage 1 on 2 ranks",
+    );
+    assert_weights_close(&run_dir, &single_dir, 3, "zero stage 1 on 2 ranks");
+    // Each rank wrote its shard of the optimizer state.
+    let engine_dir = checkpoint(&run_dir, 1).join("engine");
+    for rank in 0..2 {
+        let shard = engine_dir.join(format!("optimizer-rank-{rank}-of-2.safetensors"));
+        assert!(shard.is_file(), "{}", shard.display());
+    }
+    assert!(!engine_dir.join("optimizer.safetensors").exists());
+
+    // Resumed from step 1 on 4 ranks, and by one process: steps 2 and 3 as the straight run.
+    for world_size in [4, 1] {
+        let resumed_dir = dir.path().join(format!("resumed-{world_size}"));
+        let resume = format!("trainer.resume={}", checkpoint(&run_dir, 1).display());
+        let config = config(&resumed_dir, 3, &[zero[0].clone(), zero[1].clone(), resume]);
+        match world_size {
+            1 => drop(train_as_rank(&config, registry(), None).unwrap()),
+            _ => drop(run_ranks(&config, world_size)),
+        }
+        let what = format!("resumed on {world_size}");
+        assert_metrics_close(&step_metrics(&resumed_dir), &straight[1..], &what);
+        assert_weights_close(&resumed_dir, &run_dir, 3, &what);
+    }
+}
+
 /// A rank that exchanges nothing: only the shares are asked of it.
 struct Place {
     rank: usize,

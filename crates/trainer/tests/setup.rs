@@ -124,16 +124,32 @@ fn every_recipe_validates_8b_fits_an_80_gb_card_with_a_host_optimizer_and_32b_lo
         floe_trainer::Config::load(Some(&recipe), &overrides).unwrap()
     };
     let config = load(&["model.path=embedded:8B"]);
-    let plan = floe_trainer::setup::memory_plan(&config, h100).unwrap();
+    let plan = floe_trainer::setup::memory_plan(&config, h100, 1).unwrap();
     plan.check().unwrap();
     assert!(plan.host_bytes() > 0, "{plan}");
     let config = load(&["model.path=embedded:8B", "engine.offload_optimizer=false"]);
-    let err = floe_trainer::setup::memory_plan(&config, h100)
+    let err = floe_trainer::setup::memory_plan(&config, h100, 1)
         .unwrap()
         .check()
         .unwrap_err()
         .to_string();
     assert!(err.contains("set engine.offload_optimizer = true"), "{err}");
+    // Split over 8 ranks, the optimizer state fits beside the weights on each card with
+    // 12K-token prompts (the full f32 gradients stay: 26 GiB; the recipe's 32K prompts
+    // need their activations' room too).
+    let config = load(&[
+        "model.path=embedded:8B",
+        "engine.offload_optimizer=false",
+        "engine.zero_stage=1",
+        "trainer.max_prompt_length=12288",
+        "trainer.max_tokens_per_microbatch=16384",
+    ]);
+    let plan = floe_trainer::setup::memory_plan(&config, h100, 8).unwrap();
+    plan.check().unwrap_or_else(|e| panic!("{e}\n{plan}"));
+    assert_eq!(plan.host_bytes(), 0, "{plan}");
+    assert!(plan.to_string().contains("1/N shard"), "{plan}");
+    let one_rank = floe_trainer::setup::memory_plan(&config, h100, 1).unwrap();
+    assert!(one_rank.check().is_err(), "{one_rank}");
 
     // 32B: LoRA adapters on a frozen bf16 base fit an H200 (140 GiB as the card reports
     // it); full parameters do not, and the refusal names LoRA.
@@ -143,10 +159,11 @@ fn every_recipe_validates_8b_fits_an_80_gb_card_with_a_host_optimizer_and_32b_lo
         let overrides: Vec<String> = overrides.iter().map(|o| o.to_string()).collect();
         floe_trainer::Config::load(Some(&recipe), &overrides).unwrap()
     };
-    let plan = floe_trainer::setup::memory_plan(&load(&["model.path=embedded:32B"]), h200).unwrap();
+    let plan =
+        floe_trainer::setup::memory_plan(&load(&["model.path=embedded:32B"]), h200, 1).unwrap();
     plan.check().unwrap_or_else(|e| panic!("{e}\n{plan}"));
     let config = load(&["model.path=embedded:32B", "model.lora.rank=0"]);
-    let err = floe_trainer::setup::memory_plan(&config, h200)
+    let err = floe_trainer::setup::memory_plan(&config, h200, 1)
         .unwrap()
         .check()
         .unwrap_err()
@@ -165,7 +182,7 @@ fn auto_recompute_keeps_the_kv_cache_a_run_samples_with() {
             .map(|o| o.to_string())
             .collect();
         let config = floe_trainer::Config::load(Some(&recipe), &overrides).unwrap();
-        let plan = floe_trainer::setup::memory_plan(&config, Some(80_000_000_000)).unwrap();
+        let plan = floe_trainer::setup::memory_plan(&config, Some(80_000_000_000), 1).unwrap();
         plan.check().unwrap_or_else(|e| panic!("{e}"));
         plan
     };
@@ -188,7 +205,7 @@ fn auto_recompute_keeps_the_kv_cache_a_run_samples_with() {
     assert!(short.kv_cache_bytes().unwrap() >= 16 * 4096 * 2 * 28 * 1024 * 2);
     // On the CPU nothing is recomputed.
     let cpu = floe_trainer::Config::load(None, &[]).unwrap();
-    let cpu_plan = floe_trainer::setup::memory_plan(&cpu, None).unwrap();
+    let cpu_plan = floe_trainer::setup::memory_plan(&cpu, None, 1).unwrap();
     assert_eq!(cpu_plan.recomputed_layers, 0);
 }
 

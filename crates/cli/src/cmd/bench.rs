@@ -225,6 +225,7 @@ fn bench<B: Backend>(
             base_resident: false,
             device: args.device,
             placement,
+            optimizer_shards: 1,
             recompute: args.recompute,
             // No sampler runs, so the KV cache needs no room.
             kv_cache_tokens_wanted: 0,

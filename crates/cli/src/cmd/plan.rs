@@ -16,6 +16,10 @@ pub struct Args {
     /// an H200 about 139.8 GiB).
     #[arg(long, default_value_t = 79.1)]
     gpu_memory_gib: f64,
+    /// Data-parallel ranks (GPUs) the run will have: with `engine.zero_stage = 1` each
+    /// holds 1/N of the optimizer state.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
+    world_size: u64,
 }
 
 /// Runs `floe plan`: prints the plan; fails, naming the knobs, when it does not fit.
@@ -27,7 +31,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         Device::Cpu => None,
         Device::Cuda(_) => Some((args.gpu_memory_gib * f64::from(1 << 30)) as usize),
     };
-    let plan = memory_plan(&config, device_bytes).context("planning the run's memory")?;
+    let plan = memory_plan(&config, device_bytes, args.world_size as usize)
+        .context("planning the run's memory")?;
     println!("{plan}");
     plan.check()?;
     println!("fits: yes");
