@@ -267,3 +267,52 @@ fn a_program_that_cannot_start_is_named() {
         "{stderr}"
     );
 }
+
+#[test]
+fn a_node_of_several_numbers_its_ranks_after_the_nodes_before_it() {
+    let output = run_to_end(floe_launch(&[
+        "--nnodes",
+        "3",
+        "--node-rank",
+        "1",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        "29534",
+        "sh",
+        "-c",
+        "echo \"env $RANK $LOCAL_RANK $GROUP_RANK $WORLD_SIZE $LOCAL_WORLD_SIZE\"",
+    ]));
+    let (stdout, stderr) = (&output.stdout, &output.stderr);
+    assert!(output.status.success(), "{stdout}\n{stderr}");
+    for (rank, local) in [(2, 0), (3, 1)] {
+        let env = format!("[rank {rank}] env {rank} {local} 1 6 2\n");
+        assert!(stdout.contains(&env), "no {env:?} in:\n{stdout}");
+    }
+    assert!(stderr.contains("loopback"), "{stderr}");
+
+    let no_port = run_to_end(floe_launch(&["--nnodes", "2", "--gpus", "1", "true"]));
+    assert!(!no_port.status.success());
+    assert!(
+        no_port.stderr.contains("--master-port"),
+        "{}",
+        no_port.stderr
+    );
+    let outside = run_to_end(floe_launch(&[
+        "--nnodes",
+        "2",
+        "--node-rank",
+        "2",
+        "--gpus",
+        "1",
+        "--master-port",
+        "29535",
+        "true",
+    ]));
+    assert!(!outside.status.success());
+    assert!(
+        outside.stderr.contains("--node-rank 2"),
+        "{}",
+        outside.stderr
+    );
+}

@@ -1210,6 +1210,16 @@ impl DataParallelGroup {
         })
     }
 
+    /// The group's CUDA backend and collective, for a caller that runs its own
+    /// data-parallel loop on them (`floe bench train` under `floe launch`); `None` for a
+    /// group on the CPU.
+    pub fn cuda_parts(&self) -> Option<(Arc<CudaBackend>, Arc<dyn Collective<CudaBackend>>)> {
+        match &self.ranks {
+            GroupRanks::Cuda(dp) => Some((Arc::clone(&dp.backend), Arc::clone(&dp.collective))),
+            GroupRanks::Cpu(_) => None,
+        }
+    }
+
     /// The device the group's engine runs on.
     pub fn device(&self) -> Device {
         self.device

@@ -8,18 +8,24 @@
 //!   sequence forced to `--new` tokens, all `batch` prompts submitted at once (continuous
 //!   batching, paged KV), optionally with prompt-lookup speculative decoding
 //!   (`--speculative-ngram K`: its acceptance rate and new tokens per model call).
+//!
+//! Under `floe launch --gpus N` (or torchrun, Slurm), `train` is data parallel: every rank
+//! trains `batch × seq` tokens on `cuda:{LOCAL_RANK}` and the gradients are summed over
+//! NCCL before each step (`--zero-stage 1` splits the optimizer state); rank 0 prints
+//! tokens/s per GPU and in all. `generate` runs on every rank's GPU on its own.
 
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use floe_backend::cpu::CpuBackend;
 use floe_backend::cuda::{CudaBackend, KernelTime};
 use floe_backend::sampling::GAMMA;
-use floe_backend::Backend;
+use floe_backend::{Backend, Collective};
+use floe_dist::World;
 use floe_engine::policy::{OptimParams, OptimizerPlacement, Policy};
-use floe_engine::Device;
+use floe_engine::{DataParallelGroup, Device};
 use floe_engine::{MemoryPlan, PlanInputs, Recompute};
 use floe_engine::{NgramSpec, SampleRequest, Sampler, SamplerConfig, SamplingParams};
 use floe_model::batch::PackedBatch;
@@ -115,11 +121,19 @@ pub struct Args {
     /// `engine.offload_optimizer`).
     #[arg(long)]
     offload_optimizer: bool,
+    /// Under `floe launch`: 1 splits the optimizer state over the ranks (train; see
+    /// `engine.zero_stage`).
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=1))]
+    zero_stage: u8,
 }
 
 /// Runs `floe bench`.
 pub fn run(args: Args) -> anyhow::Result<()> {
     let (config, host_dir) = model_shape(&args)?;
+    let world = World::from_env(None).context("reading the ranks' environment")?;
+    if world.world_size > 1 {
+        return run_rank(args, &world, config, host_dir);
+    }
     match args.device {
         Device::Cpu => {
             if args.threads > 0 {
@@ -138,6 +152,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 host_dir,
                 None,
                 None,
+                None,
             )
         }
         Device::Cuda(ordinal) => {
@@ -147,9 +162,59 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             );
             let profiler = args.profile.then(|| Arc::clone(&backend));
             let bandwidth = backend.memory_bandwidth();
-            bench(backend, &args, config, host_dir, profiler, Some(bandwidth))
+            bench(
+                backend,
+                &args,
+                config,
+                host_dir,
+                profiler,
+                Some(bandwidth),
+                None,
+            )
         }
     }
+}
+
+/// `floe bench` as rank `world.rank` of a data-parallel group on `cuda:{LOCAL_RANK}`.
+fn run_rank(
+    args: Args,
+    world: &World,
+    config: ModelConfig,
+    host_dir: Option<PathBuf>,
+) -> anyhow::Result<()> {
+    let (rank, size) = (world.rank, world.world_size);
+    if args.device == Device::Cpu {
+        bail!(
+            "rank {rank} of WORLD_SIZE={size} on --device cpu: the CPU has no collective \
+             across processes; bench several GPUs with --device cuda"
+        );
+    }
+    let (backend, collective) = match args.mode {
+        Mode::Train => {
+            let group = DataParallelGroup::join_nccl(world, Duration::from_secs(300))
+                .with_context(|| format!("joining the NCCL group as rank {rank} of {size}"))?;
+            let (backend, collective) = group.cuda_parts().expect("a CUDA group");
+            (backend, Some(collective))
+        }
+        Mode::Generate => {
+            let device = Device::Cuda(world.local_rank);
+            let backend = CudaBackend::new(world.local_rank)
+                .with_context(|| format!("opening device {device}"))?;
+            (Arc::new(backend), None)
+        }
+    };
+    eprintln!("rank {rank} of {size} on {}", backend.name());
+    let profiler = args.profile.then(|| Arc::clone(&backend));
+    let bandwidth = backend.memory_bandwidth();
+    bench(
+        backend,
+        &args,
+        config,
+        host_dir,
+        profiler,
+        Some(bandwidth),
+        collective,
+    )
 }
 
 /// The model's shape, and the folder to load weights from unless they are random.
@@ -190,6 +255,8 @@ fn load_model<B: Backend>(
     })
 }
 
+/// Runs the benchmark on `backend`; with `collective`, as one rank of a data-parallel
+/// group (train: gradients summed before each step; only rank 0 prints).
 fn bench<B: Backend>(
     backend: Arc<B>,
     args: &Args,
@@ -197,7 +264,10 @@ fn bench<B: Backend>(
     dir: Option<PathBuf>,
     profiler: Option<Arc<CudaBackend>>,
     bandwidth: Option<f64>,
+    collective: Option<Arc<dyn Collective<B>>>,
 ) -> anyhow::Result<()> {
+    let world_size = collective.as_ref().map_or(1, |c| c.world_size());
+    let rank = collective.as_ref().map_or(0, |c| c.rank());
     let batches = match (args.batch.is_empty(), args.mode) {
         (false, _) => args.batch.clone(),
         (true, Mode::Train) => vec![8],
@@ -225,7 +295,7 @@ fn bench<B: Backend>(
             base_resident: false,
             device: args.device,
             placement,
-            optimizer_shards: 1,
+            optimizer_shards: if args.zero_stage == 1 { world_size } else { 1 },
             recompute: args.recompute,
             // No sampler runs, so the KV cache needs no room.
             kv_cache_tokens_wanted: 0,
@@ -234,7 +304,9 @@ fn bench<B: Backend>(
             budget_bytes: backend.memory_info().map(|(free, _)| free),
             reserved_by_others: 0,
         });
-        eprintln!("{plan}");
+        if rank == 0 {
+            eprintln!("{plan}");
+        }
         plan.check()?;
         recomputed_layers = plan.recomputed_layers;
     }
@@ -253,12 +325,29 @@ fn bench<B: Backend>(
                 bail!("train needs --seq of at least 2 and --iters of at least 1");
             }
             let mut policy = Policy::new(model);
-            if args.offload_optimizer {
-                policy.set_optimizer_placement(OptimizerPlacement::Host)?;
+            let placement = if args.offload_optimizer {
+                OptimizerPlacement::Host
+            } else {
+                OptimizerPlacement::Device
+            };
+            if let Some(collective) = &collective {
+                policy.broadcast_weights(&**collective, 0)?;
+            }
+            match &collective {
+                Some(collective) if args.zero_stage == 1 => {
+                    policy.shard_optimizer(Arc::clone(collective), placement)?
+                }
+                _ => policy.set_optimizer_placement(placement)?,
             }
             policy.set_recomputed_layers(recomputed_layers);
             for &batch in &batches {
-                let mut result = bench_train(&mut policy, args, batch, profiler.as_deref())?;
+                let mut result = bench_train(
+                    &mut policy,
+                    args,
+                    batch,
+                    profiler.as_deref(),
+                    collective.as_deref(),
+                )?;
                 result["recomputed_layers"] = json!(recomputed_layers);
                 result["recomputed"] = json!(format!("{recomputed_layers}/{num_layers}"));
                 results.push(result);
@@ -287,6 +376,10 @@ fn bench<B: Backend>(
             }
         }
     }
+    if rank != 0 && args.mode == Mode::Train {
+        // Rank 0 reports the group: its steps wait for every rank's gradients.
+        return Ok(());
+    }
     let load = std::fs::read_to_string("/proc/loadavg")
         .ok()
         .and_then(|text| text.split_whitespace().next().map(str::to_string));
@@ -296,6 +389,8 @@ fn bench<B: Backend>(
             "params": params,
             "device": device,
             "load_avg_1m": load,
+            "rank": rank,
+            "world_size": world_size,
         });
         result
             .as_object_mut()
@@ -331,9 +426,13 @@ fn bench_train<B: Backend>(
     args: &Args,
     batch: usize,
     profiler: Option<&CudaBackend>,
+    collective: Option<&dyn Collective<B>>,
 ) -> anyhow::Result<Value> {
     let vocab = policy.model().config().vocab_size;
-    let sequences: Vec<Vec<u32>> = (0..batch)
+    let (rank, world_size) = collective.map_or((0, 1), |c| (c.rank(), c.world_size()));
+    // Each rank trains its own sequences.
+    let first = rank * batch;
+    let sequences: Vec<Vec<u32>> = (first..first + batch)
         .map(|i| random_tokens(args.seq, vocab, i as u64 + 1))
         .collect();
     let packed = PackedBatch::from_sequences(&sequences)?;
@@ -356,7 +455,10 @@ fn bench_train<B: Backend>(
         })?;
         backend.synchronize()?;
         let start = Instant::now();
-        policy.optim_step(&optim)?;
+        match collective {
+            Some(collective) => policy.optim_step_data_parallel(&optim, collective)?,
+            None => policy.optim_step(&optim)?,
+        };
         backend.synchronize()?;
         optim_s = start.elapsed().as_secs_f64();
         Ok(())
@@ -405,7 +507,9 @@ fn bench_train<B: Backend>(
         "recompute": args.recompute.to_string(),
         "offload_optimizer": args.offload_optimizer,
         "exact_logprobs": args.exact_logprobs,
+        "zero_stage": args.zero_stage,
         "tok_s": tok_s,
+        "tok_s_all_gpus": tok_s * world_size as f64,
         "step_s": step_s,
         "optim_s": optim_s,
         "device_gib_in_use": in_use_gib,

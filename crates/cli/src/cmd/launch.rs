@@ -3,6 +3,8 @@
 //! `MASTER_ADDR`, `MASTER_PORT`), their output prefixed with their rank. When one rank
 //! fails the others are stopped (SIGTERM, SIGKILL after a grace period) and the launcher
 //! exits naming the rank; SIGINT and SIGTERM sent to the launcher go to every rank.
+//! Several nodes: `floe launch` on each with `--nnodes M --node-rank K`, the same
+//! `--master-addr` (node 0's) and `--master-port`; node K's ranks are K·N to K·N + N − 1.
 
 use std::ffi::OsString;
 use std::fmt;
@@ -17,7 +19,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use clap::CommandFactory;
 use rustix::process::{kill_process_group, Pid, Signal};
 use signal_hook::consts::{SIGINT, SIGTERM};
@@ -41,6 +43,13 @@ pub struct Args {
         value_parser = clap::value_parser!(u32).range(1..)
     )]
     nproc_per_node: u32,
+    /// Nodes in the job: run `floe launch` on each with the same flags and its own
+    /// `--node-rank`; node K's processes are ranks K·N to K·N + N − 1.
+    #[arg(long, default_value_t = 1, value_name = "M", value_parser = clap::value_parser!(u32).range(1..))]
+    nnodes: u32,
+    /// This node, `0 .. --nnodes`; node 0 runs rank 0, whose address is `--master-addr`.
+    #[arg(long, alias = "node_rank", default_value_t = 0, value_name = "K")]
+    node_rank: u32,
     /// Rank 0's address, as MASTER_ADDR.
     #[arg(long, alias = "master_addr", default_value = "127.0.0.1")]
     master_addr: String,
@@ -98,7 +107,8 @@ impl std::error::Error for LaunchFailed {}
 /// What the launcher waits for.
 enum Event {
     Exited {
-        rank: usize,
+        /// The rank's index on this node.
+        local: usize,
         status: io::Result<ExitStatus>,
     },
     Signal(i32),
@@ -107,6 +117,28 @@ enum Event {
 /// Runs `floe launch`.
 pub fn run(args: Args) -> Result<()> {
     let nproc = args.nproc_per_node as usize;
+    let (nnodes, node_rank) = (args.nnodes as usize, args.node_rank as usize);
+    if node_rank >= nnodes {
+        bail!(
+            "--node-rank {node_rank} is not a node of --nnodes {nnodes} (0 to {})",
+            nnodes - 1
+        );
+    }
+    if nnodes > 1 && args.master_port.is_none() {
+        bail!(
+            "--nnodes {nnodes}: give every node the same --master-port (and --master-addr, \
+             node 0's address)"
+        );
+    }
+    if nnodes > 1 && is_loopback(&args.master_addr) {
+        eprintln!(
+            "floe launch: --master-addr {} is this machine's loopback: ranks on other \
+             machines cannot reach it (fine when every node runs here)",
+            args.master_addr
+        );
+    }
+    let world_size = nnodes * nproc;
+    let first_rank = node_rank * nproc;
     let master_port = match args.master_port {
         Some(port) => port,
         None => free_port().context("finding a free port for MASTER_PORT")?,
@@ -117,7 +149,7 @@ pub fn run(args: Args) -> Result<()> {
     if let Some(dir) = &args.log_dir {
         std::fs::create_dir_all(dir)
             .with_context(|| format!("creating the log directory {}", dir.display()))?;
-        for rank in 0..nproc {
+        for rank in first_rank..first_rank + nproc {
             let path = dir.join(format!("rank-{rank}.log"));
             let file =
                 File::create(&path).with_context(|| format!("creating {}", path.display()))?;
@@ -140,14 +172,15 @@ pub fn run(args: Args) -> Result<()> {
     let mut ranks = Vec::with_capacity(nproc);
     let mut output_threads = Vec::new();
     let mut failure = None;
-    for rank in 0..nproc {
+    for local in 0..nproc {
+        let rank = first_rank + local;
         let mut command = Command::new(&program);
         command
             .args(&program_args)
             .env("RANK", rank.to_string())
-            .env("LOCAL_RANK", rank.to_string())
-            .env("GROUP_RANK", "0")
-            .env("WORLD_SIZE", nproc.to_string())
+            .env("LOCAL_RANK", local.to_string())
+            .env("GROUP_RANK", node_rank.to_string())
+            .env("WORLD_SIZE", world_size.to_string())
             .env("LOCAL_WORLD_SIZE", nproc.to_string())
             .env("MASTER_ADDR", &args.master_addr)
             .env("MASTER_PORT", master_port.to_string())
@@ -171,7 +204,7 @@ pub fn run(args: Args) -> Result<()> {
                 break;
             }
         };
-        let log = logs.get(rank).cloned();
+        let log = logs.get(local).cloned();
         let stdout = child.stdout.take().expect("stdout is piped");
         let stderr = child.stderr.take().expect("stderr is piped");
         output_threads.push(copy_lines(rank, stdout, io::stdout, log.clone()));
@@ -181,13 +214,13 @@ pub fn run(args: Args) -> Result<()> {
         thread::spawn(move || {
             let status = child.wait();
             exited
-                .send(Event::Exited { rank, status })
+                .send(Event::Exited { local, status })
                 .expect("the launcher waits for every rank");
         });
         ranks.push(pid);
     }
 
-    let result = supervise(&ranks, &event_rx, failure, args.grace_period);
+    let result = supervise(&ranks, first_rank, &event_rx, failure, args.grace_period);
     let drain_deadline = Instant::now() + OUTPUT_DRAIN;
     while output_threads.iter().any(|thread| !thread.is_finished())
         && Instant::now() < drain_deadline
@@ -197,11 +230,13 @@ pub fn run(args: Args) -> Result<()> {
     result.map_err(anyhow::Error::new)
 }
 
-/// Waits for every rank in `ranks` (their process ids, by rank) to exit, stopping them
-/// all when one fails or the launcher is signalled. `failure` is a failure before the
-/// wait began (a rank that did not start); the ranks are then stopped at once.
+/// Waits for every rank in `ranks` (their process ids, by local rank; the first is rank
+/// `first_rank`) to exit, stopping them all when one fails or the launcher is signalled.
+/// `failure` is a failure before the wait began (a rank that did not start); the ranks
+/// are then stopped at once.
 fn supervise(
     ranks: &[Pid],
+    first_rank: usize,
     events: &Receiver<Event>,
     mut failure: Option<LaunchFailed>,
     grace_period: Duration,
@@ -233,7 +268,7 @@ fn supervise(
                         eprintln!(
                             "floe launch: {} still running {grace_period:?} after \
                              SIGTERM; sending SIGKILL",
-                            running_ranks(&running)
+                            running_ranks(&running, first_rank)
                         );
                         signal_running(&running, Signal::KILL);
                         kill_at = None;
@@ -245,8 +280,9 @@ fn supervise(
             None => events.recv().expect("run holds a sender"),
         };
         match event {
-            Event::Exited { rank, status } => {
-                running[rank] = false;
+            Event::Exited { local, status } => {
+                running[local] = false;
+                let rank = first_rank + local;
                 let stopping = failure.is_some() || interrupted.is_some();
                 let failed = match &status {
                     Ok(status) => !status.success(),
@@ -270,7 +306,7 @@ fn supervise(
                     // grace period.
                     eprintln!(
                         "floe launch: {name} while the ranks stop; sending SIGKILL to {}",
-                        running_ranks(&running)
+                        running_ranks(&running, first_rank)
                     );
                     signal_running(&running, Signal::KILL);
                     kill_at = None;
@@ -343,14 +379,22 @@ fn signal_name(signal: i32) -> String {
     name.to_string()
 }
 
-/// "rank 1" or "ranks 1, 3": the ranks still running.
-fn running_ranks(running: &[bool]) -> String {
+/// "rank 1" or "ranks 1, 3": the ranks still running (`running` by local rank).
+fn running_ranks(running: &[bool], first_rank: usize) -> String {
     let ranks: Vec<String> = (0..running.len())
-        .filter(|&rank| running[rank])
-        .map(|rank| rank.to_string())
+        .filter(|&local| running[local])
+        .map(|local| (first_rank + local).to_string())
         .collect();
     let noun = if ranks.len() == 1 { "rank" } else { "ranks" };
     format!("{noun} {}", ranks.join(", "))
+}
+
+/// Whether `addr` names this machine only, which other nodes cannot reach.
+fn is_loopback(addr: &str) -> bool {
+    addr == "localhost"
+        || addr
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
 }
 
 /// A port free right now, found by binding port 0 and letting go of it. Another process
