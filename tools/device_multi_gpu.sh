@@ -9,8 +9,8 @@
 #               zero_stage 1 run resumed from its step-3 checkpoint on N/2 GPUs and on one
 #   kill        N ranks started as torchrun would (not `floe launch`, which stops the others
 #               itself); rank 1 is killed with SIGKILL after the first checkpoint; every
-#               other rank must exit within FLOE_NCCL_TIMEOUT_SECS + the grace period
-#               with the watchdog's message
+#               other rank must exit within seconds naming rank 1 (the liveness links),
+#               at the latest within FLOE_NCCL_TIMEOUT_SECS + the grace period
 #   scale       `floe bench train` at the 1.7B shape, 8 x 2048 tokens a GPU with
 #               recompute, on one GPU and on N (zero stage 0 and 1): tokens/s per GPU and
 #               the scaling; `floe bench generate` on every GPU at once (per-GPU new tok/s)

@@ -84,6 +84,16 @@ impl<M> CollectiveWatch<M> {
         Ok(seq)
     }
 
+    /// Records `failure` from outside the watch (another rank stopped); true when it is
+    /// the first failure, which the caller then acts on.
+    pub(crate) fn fail(&mut self, failure: &str) -> bool {
+        if self.failure.is_some() {
+            return false;
+        }
+        self.failure = Some(failure.to_owned());
+        true
+    }
+
     /// One look at the collective at `now`: drops the pending collectives `is_done` says
     /// are finished, oldest first (they finish in order, on one stream), then fails on
     /// `async_error` (what NCCL reported, if anything), on an `is_done` error, or when the
@@ -287,6 +297,24 @@ mod tests {
             "rank 0 of 2: NCCL all_reduce_sum #0 (10 elements): CUDA failed while checking \
              whether it finished: an illegal memory access"
         );
+    }
+
+    #[test]
+    fn a_failure_from_outside_acts_once_and_every_op_answers_with_it() {
+        let start = Instant::now();
+        let mut watch = CollectiveWatch::new(0, 4, TIMEOUT);
+        watch.enqueued("all_gather", 3, start, marker()).unwrap();
+        assert!(watch.fail("rank 0 of 4: rank 2 stopped: CUDA out of memory"));
+        assert!(
+            !watch.fail("rank 0 of 4: rank 3 stopped"),
+            "only the first acts"
+        );
+        let Err(Error::Collective { msg, .. }) = watch.check("barrier") else {
+            panic!("an op ran after the failure");
+        };
+        assert!(msg.ends_with("rank 2 stopped: CUDA out of memory"), "{msg}");
+        // The watchdog does not abort a second time for its own reasons.
+        assert_eq!(watch.poll(start + TIMEOUT * 2, None, done), None);
     }
 
     #[test]

@@ -10,6 +10,7 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream};
 use std::thread;
 use std::time::{Duration, Instant};
 
+use crate::liveness::{Liveness, OnStop};
 use crate::World;
 
 const MAGIC: &[u8; 8] = b"FLOERDV1";
@@ -120,6 +121,43 @@ pub fn rendezvous(
     }
 }
 
+/// [`rendezvous`], keeping the connections open as the job's [`Liveness`] links: from
+/// then on `on_stop` hears, once, of the first rank that stops without saying goodbye.
+pub fn rendezvous_linked(
+    world: &World,
+    make: impl FnOnce() -> Vec<u8>,
+    timeout: Duration,
+    on_stop: OnStop,
+) -> Result<(Vec<u8>, Liveness), RendezvousError> {
+    if world.world_size == 1 {
+        return Ok((make(), Liveness::alone(world.rank, on_stop)));
+    }
+    let linked = |rank: usize, addr: SocketAddr, stream: TcpStream| {
+        stream
+            .set_read_timeout(None)
+            .map(|()| (rank, stream))
+            .map_err(|source| RendezvousError::Io {
+                rank: world.rank,
+                addr,
+                source,
+            })
+    };
+    if world.is_master() {
+        let master = Master::bind(world)?;
+        let blob = make();
+        let joined = master.serve_streams(&blob, timeout)?;
+        let peers = joined
+            .into_iter()
+            .map(|(rank, stream, addr)| linked(rank, addr, stream))
+            .collect::<Result<_, _>>()?;
+        Ok((blob, Liveness::new(0, peers, on_stop)))
+    } else {
+        let (blob, stream) = join_stream(world, timeout)?;
+        let peer = linked(0, world.master, stream)?;
+        Ok((blob, Liveness::new(world.rank, vec![peer], on_stop)))
+    }
+}
+
 /// Rank 0's listening side of a rendezvous.
 pub struct Master {
     listener: TcpListener,
@@ -163,6 +201,19 @@ impl Master {
         blob: &[u8],
         timeout: Duration,
     ) -> Result<Vec<SocketAddr>, RendezvousError> {
+        let joined = self.serve_streams(blob, timeout)?;
+        Ok(std::iter::once(self.addr)
+            .chain(joined.into_iter().map(|(_, _, addr)| addr))
+            .collect())
+    }
+
+    /// [`Master::serve`], returning each other rank's connection: `(rank, stream,
+    /// address)` in rank order.
+    fn serve_streams(
+        &self,
+        blob: &[u8],
+        timeout: Duration,
+    ) -> Result<Vec<(usize, TcpStream, SocketAddr)>, RendezvousError> {
         let start = Instant::now();
         let mut joined: Vec<Option<(TcpStream, SocketAddr)>> =
             (0..self.world_size).map(|_| None).collect();
@@ -228,17 +279,17 @@ impl Master {
             joined[rank] = Some((stream, peer));
             waiting -= 1;
         }
-        let mut addrs = vec![self.addr];
-        for (rank, slot) in joined.iter_mut().enumerate().skip(1) {
-            let (stream, peer) = slot.as_mut().expect("every rank joined");
-            send(stream, STATUS_BLOB, blob).map_err(|source| RendezvousError::Io {
+        let mut streams = Vec::with_capacity(self.world_size - 1);
+        for (rank, slot) in joined.into_iter().enumerate().skip(1) {
+            let (stream, peer) = slot.expect("every rank joined");
+            send(&stream, STATUS_BLOB, blob).map_err(|source| RendezvousError::Io {
                 rank,
-                addr: *peer,
+                addr: peer,
                 source,
             })?;
-            addrs.push(*peer);
+            streams.push((rank, stream, peer));
         }
-        Ok(addrs)
+        Ok(streams)
     }
 }
 
@@ -266,7 +317,8 @@ fn read_greeting(mut stream: &TcpStream) -> io::Result<(usize, usize)> {
     Ok((rank as usize, world_size as usize))
 }
 
-fn send(mut stream: &TcpStream, status: u8, bytes: &[u8]) -> io::Result<()> {
+/// Writes one frame: `status`, the `u32` length of `bytes`, the bytes.
+pub(crate) fn send(mut stream: &TcpStream, status: u8, bytes: &[u8]) -> io::Result<()> {
     let len = u32::try_from(bytes.len())
         .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "blob over 4 GiB"))?;
     let mut message = Vec::with_capacity(5 + bytes.len());
@@ -281,6 +333,11 @@ fn send(mut stream: &TcpStream, status: u8, bytes: &[u8]) -> io::Result<()> {
 /// It retries until rank 0 listens, then waits for every other rank to have joined, for
 /// `timeout` in all.
 pub fn join(world: &World, timeout: Duration) -> Result<Vec<u8>, RendezvousError> {
+    Ok(join_stream(world, timeout)?.0)
+}
+
+/// [`join`], returning the connection to rank 0 too.
+fn join_stream(world: &World, timeout: Duration) -> Result<(Vec<u8>, TcpStream), RendezvousError> {
     let start = Instant::now();
     let addr = world.master;
     let rank = world.rank;
@@ -321,7 +378,7 @@ pub fn join(world: &World, timeout: Duration) -> Result<Vec<u8>, RendezvousError
     let mut bytes = vec![0u8; len as usize];
     stream.read_exact(&mut bytes).map_err(io_error)?;
     match header[0] {
-        STATUS_BLOB => Ok(bytes),
+        STATUS_BLOB => Ok((bytes, stream)),
         STATUS_FAILED => Err(RendezvousError::FailedAtMaster {
             rank,
             addr,

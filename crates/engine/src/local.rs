@@ -17,13 +17,13 @@
 use std::any::Any;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 use floe_backend::cpu::CpuBackend;
 use floe_backend::cuda::{CudaBackend, NcclCollective};
 use floe_backend::{Backend, Collective, InProcessCollective};
-use floe_dist::World;
+use floe_dist::{Liveness, World};
 use floe_model::batch::TokenStats;
 use floe_model::lora::{load_adapter_dir, read_adapter_config, LoraConfig};
 use floe_model::tokenizer::Tokenizer;
@@ -1157,6 +1157,9 @@ fn set_cpu_threads(threads: usize) {
 pub struct DataParallelGroup {
     device: Device,
     ranks: GroupRanks,
+    /// The job's liveness links (NCCL groups): taken by [`DataParallelGroup::leave`] or
+    /// [`DataParallelGroup::fail`].
+    liveness: Option<Arc<Mutex<Option<Liveness>>>>,
 }
 
 #[derive(Clone)]
@@ -1174,12 +1177,19 @@ impl DataParallelGroup {
         Self {
             device: Device::Cpu,
             ranks: GroupRanks::Cpu(Arc::new(dp)),
+            liveness: None,
         }
     }
 
     /// This process's rank of `world` on `cuda:{world.local_rank}`: rank 0 makes NCCL's
     /// unique id, the rendezvous at `world.master` hands it to every rank (all within
     /// `timeout`), and each rank joins the NCCL communicator on its device's stream.
+    ///
+    /// The rendezvous connections stay open as the job's liveness links
+    /// (`floe_dist::Liveness`): when another rank stops (its error, or killed), this rank
+    /// aborts its communicator naming that rank, so a collective waiting on it returns
+    /// at once instead of at NCCL's timeout. End a run with [`DataParallelGroup::leave`]
+    /// (or [`DataParallelGroup::fail`] with the error).
     pub fn join_nccl(world: &World, timeout: Duration) -> Result<Self> {
         let device = Device::Cuda(world.local_rank);
         let device_error = |source| Error::Device {
@@ -1187,10 +1197,25 @@ impl DataParallelGroup {
             source,
         };
         let backend = Arc::new(CudaBackend::new(world.local_rank).map_err(device_error)?);
+        // A stop heard before the communicator exists ends the process; after, it aborts
+        // the communicator (which exits after its grace period if need be).
+        let communicator: Arc<OnceLock<Weak<NcclCollective>>> = Arc::new(OnceLock::new());
+        let on_stop: floe_dist::OnStop = {
+            let (communicator, rank) = (Arc::clone(&communicator), world.rank);
+            Arc::new(
+                move |stopped| match communicator.get().and_then(Weak::upgrade) {
+                    Some(collective) => collective.abort(&stopped.to_string()),
+                    None => {
+                        eprintln!("error: rank {rank}: {stopped}; exiting");
+                        std::process::exit(1);
+                    }
+                },
+            )
+        };
         // A rank 0 that cannot make an id still serves (an empty one) so the others fail
         // at once naming its length, not at the timeout; rank 0 fails with the cause.
         let mut made = Ok(());
-        let id = floe_dist::rendezvous(
+        let (id, liveness) = floe_dist::rendezvous_linked(
             world,
             || match NcclCollective::unique_id() {
                 Ok(id) => id.to_vec(),
@@ -1200,14 +1225,39 @@ impl DataParallelGroup {
                 }
             },
             timeout,
+            on_stop,
         )?;
         made.map_err(device_error)?;
-        let collective = NcclCollective::new(&backend, world.rank, world.world_size, &id)
-            .map_err(device_error)?;
+        let collective = Arc::new(
+            NcclCollective::new(&backend, world.rank, world.world_size, &id)
+                .map_err(device_error)?,
+        );
+        let _ = communicator.set(Arc::downgrade(&collective));
         Ok(Self {
             device,
-            ranks: GroupRanks::Cuda(Arc::new(DataParallel::new(Arc::new(collective), backend))),
+            ranks: GroupRanks::Cuda(Arc::new(DataParallel::new(collective, backend))),
+            liveness: Some(Arc::new(Mutex::new(Some(liveness)))),
         })
+    }
+
+    /// Ends this rank's part of the job normally: the other ranks stop watching it.
+    pub fn leave(&self) {
+        if let Some(liveness) = self.take_liveness() {
+            liveness.leave();
+        }
+    }
+
+    /// Tells the other ranks that this rank stops because of `reason` (its error), so they
+    /// stop at once naming it.
+    pub fn fail(&self, reason: &str) {
+        if let Some(liveness) = self.take_liveness() {
+            liveness.fail(reason);
+        }
+    }
+
+    fn take_liveness(&self) -> Option<Liveness> {
+        let slot = self.liveness.as_ref()?;
+        slot.lock().unwrap_or_else(|e| e.into_inner()).take()
     }
 
     /// The group's CUDA backend and collective, for a caller that runs its own

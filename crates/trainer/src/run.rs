@@ -135,7 +135,13 @@ pub fn train_in_world(config: &Config, registry: Registry, world: &World) -> Res
     let group = DataParallelGroup::join_nccl(world, RENDEZVOUS_TIMEOUT)?;
     let mut config = config.clone();
     config.engine.device = group.device();
-    train_as_rank(&config, registry, Some(group))
+    // The other ranks learn at once how this one ended: an error stops them naming it.
+    let outcome = train_as_rank(&config, registry, Some(group.clone()));
+    match &outcome {
+        Ok(_) => group.leave(),
+        Err(err) => group.fail(&err.to_string()),
+    }
+    outcome
 }
 
 /// [`train_with_registry`] as this process's rank of `group` (`None`: the only one) on

@@ -45,6 +45,8 @@ pub struct NcclCollective {
     /// Dropping it stops the watchdog at once, not at its next poll.
     stop_watchdog: Option<mpsc::Sender<()>>,
     watchdog: Option<JoinHandle<()>>,
+    /// How long the process may run after an abort.
+    grace: Duration,
 }
 
 /// What the ops and the watchdog thread share.
@@ -252,7 +254,20 @@ impl NcclCollective {
             token: Mutex::new(token),
             stop_watchdog: Some(stop_watchdog),
             watchdog: Some(watchdog),
+            grace,
         })
+    }
+
+    /// Gives the communicator up because of `reason` (another rank stopped, as the job's
+    /// liveness links report): as the watchdog does on a timeout, says so on stderr,
+    /// aborts the communicator so waits on NCCL end, makes every later op return the
+    /// reason, and exits the process after the grace period if it is still running. Only
+    /// the first failure acts.
+    pub fn abort(&self, reason: &str) {
+        let failure = format!("rank {} of {}: {reason}", self.rank, self.world_size);
+        if lock(&self.shared.watch).fail(&failure) {
+            abort_for(&self.shared, &failure, self.grace);
+        }
     }
 
     /// The communicator for one NCCL call, unless the watchdog has aborted it.

@@ -189,24 +189,24 @@ fn run_rank(
              across processes; bench several GPUs with --device cuda"
         );
     }
-    let (backend, collective) = match args.mode {
+    let (backend, collective, group) = match args.mode {
         Mode::Train => {
             let group = DataParallelGroup::join_nccl(world, Duration::from_secs(300))
                 .with_context(|| format!("joining the NCCL group as rank {rank} of {size}"))?;
             let (backend, collective) = group.cuda_parts().expect("a CUDA group");
-            (backend, Some(collective))
+            (backend, Some(collective), Some(group))
         }
         Mode::Generate => {
             let device = Device::Cuda(world.local_rank);
             let backend = CudaBackend::new(world.local_rank)
                 .with_context(|| format!("opening device {device}"))?;
-            (Arc::new(backend), None)
+            (Arc::new(backend), None, None)
         }
     };
     eprintln!("rank {rank} of {size} on {}", backend.name());
     let profiler = args.profile.then(|| Arc::clone(&backend));
     let bandwidth = backend.memory_bandwidth();
-    bench(
+    let outcome = bench(
         backend,
         &args,
         config,
@@ -214,7 +214,15 @@ fn run_rank(
         profiler,
         Some(bandwidth),
         collective,
-    )
+    );
+    // The other ranks learn at once how this one ended: an error stops them naming it.
+    if let Some(group) = group {
+        match &outcome {
+            Ok(()) => group.leave(),
+            Err(err) => group.fail(&format!("{err:#}")),
+        }
+    }
+    outcome
 }
 
 /// The model's shape, and the folder to load weights from unless they are random.
