@@ -1264,6 +1264,19 @@ impl Config {
                     .into(),
             );
         }
+        if self.engine.zero_stage > 1 {
+            problems.push(format!(
+                "engine.zero_stage is {}; 0 (the optimizer state on every rank) and 1 (split \
+                 over the ranks) exist, stage 3 is planned",
+                self.engine.zero_stage
+            ));
+        } else if self.engine.zero_stage == 1 && self.model.lora.rank > 0 {
+            problems.push(
+                "engine.zero_stage = 1 with model.lora.rank > 0: adapters' optimizer state is \
+                 small and stays whole; leave zero_stage at 0"
+                    .into(),
+            );
+        }
         let fraction = self.engine.memory_fraction;
         if !(fraction > 0.0 && fraction <= 1.0) {
             problems.push(format!(

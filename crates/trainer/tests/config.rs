@@ -493,14 +493,26 @@ fn every_broken_rule_is_reported_at_once() {
         "trainer.policy.optimizer_config.lr=-1",
         "trainer.eval_interval=0",
         "engine.memory_fraction=2.0",
+        "engine.zero_stage=3",
     ]);
     let joined = problems.join("\n");
-    assert_eq!(problems.len(), 5, "{joined}");
+    assert_eq!(problems.len(), 6, "{joined}");
+    assert!(joined.contains("engine.zero_stage is 3"));
     assert!(joined.contains("trainer.max_prompt_length is 0"));
     assert!(joined.contains("generator.sampling_params.top_p is 1.5"));
     assert!(joined.contains("trainer.policy.optimizer_config.lr is -1"));
     assert!(joined.contains("trainer.eval_interval is 0; use a positive number, or -1"));
     assert!(joined.contains("engine.memory_fraction is 2"));
+}
+
+#[test]
+fn a_split_optimizer_state_is_refused_for_lora_adapters() {
+    let problems = invalid_messages(&["model.lora.rank=8", "engine.zero_stage=1"]);
+    assert_eq!(problems.len(), 1, "{problems:?}");
+    assert!(
+        problems[0].contains("engine.zero_stage = 1 with model.lora.rank"),
+        "{problems:?}"
+    );
 }
 
 #[test]
