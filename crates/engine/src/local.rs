@@ -411,8 +411,9 @@ impl<B: Backend> LocalEngine<B> {
             &options,
             gate.as_ref().map_or(0, Gate::reserved),
             match &collective {
-                Some(collective) if options.zero_stage == 1 => collective.world_size(),
-                _ => 1,
+                Some(c) if options.zero_stage == 1 => (c.world_size(), c.world_size()),
+                Some(c) => (1, c.world_size()),
+                None => (1, 1),
             },
         );
         plan.check()?;
@@ -518,11 +519,14 @@ impl<B: Backend> LocalEngine<B> {
         }
     }
 
-    /// Ranks the optimizer state is split over (1 when it is whole).
-    fn optimizer_shards(&self) -> usize {
+    /// Ranks the optimizer state is split over (1 when it is whole), and ranks in all.
+    fn optimizer_shards(&self) -> (usize, usize) {
         match &self.data_parallel {
-            Some(dp) if self.policy.is_sharded() => dp.collective.world_size(),
-            _ => 1,
+            Some(dp) if self.policy.is_sharded() => {
+                (dp.collective.world_size(), dp.collective.world_size())
+            }
+            Some(dp) => (1, dp.collective.world_size()),
+            None => (1, 1),
         }
     }
 
@@ -1549,7 +1553,7 @@ fn memory_plan<B: Backend>(
     base_resident: bool,
     options: &LocalEngineOptions,
     reserved_by_others: usize,
-    optimizer_shards: usize,
+    (optimizer_shards, data_parallel_ranks): (usize, usize),
 ) -> MemoryPlan {
     let budget = backend.memory_info().map(|(free, _total)| {
         ((free as f64 * options.memory_fraction) as usize).saturating_sub(reserved_by_others)
@@ -1561,6 +1565,7 @@ fn memory_plan<B: Backend>(
         device: options.device,
         placement: options.optimizer_placement,
         optimizer_shards,
+        data_parallel_ranks,
         recompute: options.recompute,
         kv_cache_tokens_wanted: options.kv_cache_tokens_wanted,
         kv_cache_bytes: options.kv_cache_bytes,

@@ -54,6 +54,9 @@ pub struct PlanInputs<'a> {
     /// Ranks the optimizer state is split over (`engine.zero_stage = 1` on a
     /// data-parallel group; 1: each rank holds all of it). Adapters are never split.
     pub optimizer_shards: usize,
+    /// Ranks of the data-parallel group (1: alone): with more, a refusal names
+    /// `engine.zero_stage` when the optimizer state is whole.
+    pub data_parallel_ranks: usize,
     /// Which layers' activations the backward recomputes.
     pub recompute: Recompute,
     /// Tokens the sampler's KV cache should hold; [`Recompute::Auto`] recomputes layers
@@ -230,6 +233,8 @@ impl MemoryPlan {
                 recompute_more: recomputed_layers < max_recomputed_layers(inputs.model),
                 placement: inputs.placement,
                 lora: frozen_base,
+                ranks: inputs.data_parallel_ranks.max(1),
+                sharded: shards > 1,
             },
         }
     }
@@ -269,12 +274,17 @@ impl MemoryPlan {
                     recompute_more,
                     placement,
                     lora,
+                    ranks,
+                    sharded,
                 } = self.knobs;
                 let mut knobs = vec![Knob::MicrobatchTokens(tokens)];
                 if recompute_more {
                     knobs.push(Knob::Recompute);
                 }
                 // Adapters' optimizer state is too small for moving it to help.
+                if ranks > 1 && !sharded && !lora {
+                    knobs.push(Knob::ZeroStage(ranks));
+                }
                 if placement == OptimizerPlacement::Device && !lora {
                     knobs.push(Knob::OffloadOptimizer);
                 }
@@ -309,6 +319,8 @@ pub enum Knob {
     OffloadOptimizer,
     /// LoRA adapters on a frozen base.
     Lora,
+    /// The optimizer state split over the data-parallel group's ranks (this many).
+    ZeroStage(usize),
     /// Other engines on the device, which reserve these bytes for their steps.
     OtherEngines(usize),
     /// A larger share of the device's memory.
@@ -358,6 +370,10 @@ impl Knob {
             Knob::Lora => {
                 "train LoRA adapters on a frozen bf16 base (model.lora.rank, e.g. 32)".into()
             }
+            Knob::ZeroStage(ranks) => format!(
+                "set engine.zero_stage = 1 (each of the {ranks} ranks keeps 1/{ranks} of the \
+                 masters and AdamW moments)"
+            ),
             Knob::OtherEngines(bytes) => format!(
                 "close other engines on this device (they reserve {:.2} GiB for their steps)",
                 gib(bytes)
@@ -380,6 +396,9 @@ struct Knobs {
     recompute_more: bool,
     placement: OptimizerPlacement,
     lora: bool,
+    /// Data-parallel ranks, and whether the optimizer state is split over them.
+    ranks: usize,
+    sharded: bool,
 }
 
 /// Which layers' activations the backward recomputes from their inputs instead of
@@ -612,6 +631,7 @@ mod tests {
             device: Device::Cuda(0),
             placement,
             optimizer_shards: 1,
+            data_parallel_ranks: 1,
             recompute: Recompute::All,
             kv_cache_tokens_wanted: 0,
             kv_cache_bytes: None,

@@ -248,6 +248,7 @@ pub fn memory_plan(
         } else {
             1
         },
+        data_parallel_ranks: world_size,
         recompute: options.recompute,
         kv_cache_tokens_wanted: options.kv_cache_tokens_wanted,
         kv_cache_bytes: options.kv_cache_bytes,

@@ -150,6 +150,22 @@ fn every_recipe_validates_8b_fits_an_80_gb_card_with_a_host_optimizer_and_32b_lo
     assert!(plan.to_string().contains("1/N shard"), "{plan}");
     let one_rank = floe_trainer::setup::memory_plan(&config, h100, 1).unwrap();
     assert!(one_rank.check().is_err(), "{one_rank}");
+    // Across 8 ranks with the state whole, the refusal names the stage that splits it.
+    let config = load(&[
+        "model.path=embedded:8B",
+        "engine.offload_optimizer=false",
+        "trainer.max_prompt_length=12288",
+        "trainer.max_tokens_per_microbatch=16384",
+    ]);
+    let err = floe_trainer::setup::memory_plan(&config, h100, 8)
+        .unwrap()
+        .check()
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("set engine.zero_stage = 1 (each of the 8 ranks"),
+        "{err}"
+    );
 
     // 32B: LoRA adapters on a frozen bf16 base fit an H200 (140 GiB as the card reports
     // it); full parameters do not, and the refusal names LoRA.

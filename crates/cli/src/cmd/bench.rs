@@ -304,6 +304,7 @@ fn bench<B: Backend>(
             device: args.device,
             placement,
             optimizer_shards: if args.zero_stage == 1 { world_size } else { 1 },
+            data_parallel_ranks: world_size,
             recompute: args.recompute,
             // No sampler runs, so the KV cache needs no room.
             kv_cache_tokens_wanted: 0,
