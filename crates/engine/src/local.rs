@@ -1013,6 +1013,12 @@ impl<B: Backend> Engine for LocalEngine<B> {
     /// ones they were trained on (an engine whose own weights were trained refuses).
     fn load_state(&mut self, dir: &Path) -> Result<()> {
         let backend = Arc::clone(self.policy.model().backend());
+        // A state of this engine's shape goes into its own buffers: a second policy beside
+        // this one would need the memory of both (more than an 80 GB card holds at 8B).
+        if self.policy.restore_in_place(dir)? {
+            self.reference = load_reference(&backend, dir)?;
+            return Ok(());
+        }
         let mut policy = if is_lora_state(dir) {
             let current = self.policy.model();
             if current.lora_config().is_none() && self.policy.step() > 0 {
@@ -1035,13 +1041,7 @@ impl<B: Backend> Engine for LocalEngine<B> {
             }
         };
         policy.set_recomputed_layers(self.plan.recomputed_layers);
-        let reference_dir = dir.join(REFERENCE_DIR);
-        let reference = if reference_dir.is_dir() {
-            let (config, host) = weights::load_model_dir(&reference_dir)?;
-            Some(Transformer::from_host_weights(backend, config, &host)?)
-        } else {
-            None
-        };
+        let reference = load_reference(&backend, dir)?;
         let reshaped = policy.model().config() != self.policy.model().config();
         self.policy = policy;
         self.reference = reference;
@@ -1140,6 +1140,20 @@ impl AnyLocalEngine {
             }
         }
     }
+}
+
+/// The reference model a state saved under `dir/reference`, if it saved one.
+fn load_reference<B: Backend>(backend: &Arc<B>, dir: &Path) -> Result<Option<Transformer<B>>> {
+    let reference_dir = dir.join(REFERENCE_DIR);
+    if !reference_dir.is_dir() {
+        return Ok(None);
+    }
+    let (config, host) = weights::load_model_dir(&reference_dir)?;
+    Ok(Some(Transformer::from_host_weights(
+        Arc::clone(backend),
+        config,
+        &host,
+    )?))
 }
 
 /// Sets the process-wide CPU thread pool to `threads` (0: every core). Fails only when

@@ -680,6 +680,151 @@ impl<B: Backend> Policy<B> {
         Self::with_moments(model, meta.step, moments.unwrap_or_default(), placement)
     }
 
+    /// Restores a full-weight state written by [`Policy::save`] into this policy's own
+    /// buffers, one tensor at a time, when it has the same shape and the same kind of
+    /// optimizer state (whole, at any placement); `Ok(false)` when it cannot (a LoRA state,
+    /// another shape, a sharded state or policy), and then nothing changed. Building a
+    /// second policy beside this one, as [`Policy::load`] does, needs the weights, the
+    /// gradients and the optimizer state twice at once: at 8B more than an 80 GB card
+    /// and a 125 GB host hold. The files are checked before anything is overwritten.
+    pub fn restore_in_place(&mut self, dir: &Path) -> Result<bool> {
+        if is_lora_state(dir)
+            || self.model.lora_config().is_some()
+            || self.model.base_is_shared()
+            || self.is_sharded()
+        {
+            return Ok(false);
+        }
+        let meta = read_optimizer_meta(dir)?;
+        let model_dir = dir.join(MODEL_DIR);
+        let config = floe_model::ModelConfig::from_hf_file(model_dir.join("config.json"))?;
+        if meta.sharding.is_some() || &config != self.model.config() {
+            return Ok(false);
+        }
+        // Checked first: every weight present with its shape, the moments complete.
+        weights::visit_model_dir(&model_dir, false, &mut |_, _| -> Result<()> { Ok(()) })?;
+        let optimizer_path = dir.join(OPTIMIZER_FILE);
+        let corrupt = |msg: String| Error::Corrupt {
+            path: optimizer_path.clone(),
+            msg,
+        };
+        let lens: BTreeMap<String, usize> = self
+            .model
+            .trainable_specs()
+            .into_iter()
+            .map(|(name, shape)| (name, shape.iter().product()))
+            .collect();
+        let saved = weights::tensor_shapes(&optimizer_path)?;
+        for (key, shape) in &saved {
+            let (name, suffix) = key.rsplit_once('.').unwrap_or((key, ""));
+            let Some(&len) = lens.get(name) else {
+                return Err(corrupt(format!(
+                    "tensor `{key}` belongs to no parameter of the model"
+                )));
+            };
+            let other = match suffix {
+                EXP_AVG => EXP_AVG_SQ,
+                EXP_AVG_SQ => EXP_AVG,
+                _ => return Err(corrupt(format!("tensor `{key}` is not an AdamW moment"))),
+            };
+            if shape.iter().product::<usize>() != len {
+                return Err(corrupt(format!(
+                    "tensor `{key}` has {} values; the parameter has {len}",
+                    shape.iter().product::<usize>()
+                )));
+            }
+            if !saved.contains_key(&format!("{name}.{other}")) {
+                return Err(corrupt(format!(
+                    "`{name}` has only one of its two AdamW moments"
+                )));
+            }
+        }
+        if meta.step > 0 && saved.is_empty() {
+            return Err(corrupt(format!(
+                "no AdamW moments after {} steps",
+                meta.step
+            )));
+        }
+
+        let backend = Arc::clone(self.model.backend());
+        let Policy { model, state, .. } = self;
+        // The old moments go first: their memory is what the loaded ones take.
+        match state {
+            OptimizerState::Device(moments) => moments.clear(),
+            OptimizerState::Host { params } => params.values_mut().for_each(|p| p.moments = None),
+            OptimizerState::Sharded(_) => unreachable!("checked above"),
+        }
+        weights::visit_model_dir(&model_dir, true, &mut |name, tensor| -> Result<()> {
+            let write = |param: &mut B::Buf, compute: Option<&mut B::Buf>| {
+                let loaded = backend.upload(&tensor.data, backend.kind(param))?;
+                backend.copy(param, &loaded)?;
+                if let Some(compute) = compute {
+                    backend.copy(compute, param)?;
+                }
+                Ok::<_, floe_backend::Error>(())
+            };
+            let mut found = false;
+            model.visit_params(&mut |param_name, slot| {
+                if param_name == name {
+                    write(slot.param, slot.compute)?;
+                    found = true;
+                }
+                Ok(())
+            })?;
+            if let OptimizerState::Host { params } = state {
+                if let Some(param) = params.get_mut(&name) {
+                    param.master.clone_from(&tensor.data);
+                }
+            }
+            debug_assert!(found, "a checked tensor is a parameter");
+            Ok(())
+        })?;
+        weights::visit_tensors(&optimizer_path, &mut |key, tensor| -> Result<()> {
+            let (name, suffix) = key.rsplit_once('.').expect("checked above");
+            match state {
+                OptimizerState::Device(moments) => {
+                    let len = tensor.data.len();
+                    let mut restore = || -> floe_backend::Result<()> {
+                        if !moments.contains_key(name) {
+                            let fresh = Moments {
+                                m: backend.zeros(len, BufKind::Full)?,
+                                v: backend.zeros(len, BufKind::Full)?,
+                            };
+                            moments.insert(name.to_string(), fresh);
+                        }
+                        let state = moments.get_mut(name).expect("inserted above");
+                        let target = if suffix == EXP_AVG {
+                            &mut state.m
+                        } else {
+                            &mut state.v
+                        };
+                        backend.copy(target, &backend.upload(&tensor.data, BufKind::Full)?)
+                    };
+                    Ok(restore()?)
+                }
+                OptimizerState::Host { params } => {
+                    let param = params.get_mut(name).expect("checked above");
+                    let len = param.master.len();
+                    let moments = param.moments.get_or_insert_with(|| Moments {
+                        m: vec![0.0; len],
+                        v: vec![0.0; len],
+                    });
+                    let target = if suffix == EXP_AVG {
+                        &mut moments.m
+                    } else {
+                        &mut moments.v
+                    };
+                    *target = tensor.data;
+                    Ok(())
+                }
+                OptimizerState::Sharded(_) => unreachable!("checked above"),
+            }
+        })?;
+        self.step = meta.step;
+        self.model.zero_grad()?;
+        Ok(true)
+    }
+
     /// [`Policy::load`] of one rank of a data-parallel group whose optimizer state is
     /// sharded ([`Policy::shard_optimizer`]): every rank calls it with the same `dir`,
     /// saved sharded at any world size (each rank reads the saved shards that overlap
@@ -1375,5 +1520,55 @@ mod tests {
             }
         }
         assert!(ranks[0].2 == ranks[1].2, "ranks agree bit for bit");
+    }
+
+    #[test]
+    fn a_state_restores_in_place_as_a_fresh_load_does_and_a_bad_one_changes_nothing() {
+        let backend = Arc::new(CpuBackend::<f32>::new());
+        let batch = PackedBatch::from_sequences(&[vec![3, 5, 7, 9, 11], vec![2, 4, 6]]).unwrap();
+        let dir = temp_dir("in-place");
+        for placement in [OptimizerPlacement::Device, OptimizerPlacement::Host] {
+            let model = |seed| Transformer::new_random(Arc::clone(&backend), tiny_config(), seed);
+            let mut saved = Policy::new(model(7).unwrap());
+            saved.set_optimizer_placement(placement).unwrap();
+            for _ in 0..2 {
+                train_step(&mut saved, &batch);
+            }
+            saved.save(&dir).unwrap();
+            let expected = train_step(&mut saved, &batch);
+            // Another policy of the shape, trained elsewhere, takes the saved state.
+            let mut other = Policy::new(model(11).unwrap());
+            other.set_optimizer_placement(placement).unwrap();
+            train_step(&mut other, &batch);
+            assert!(other.restore_in_place(&dir).unwrap());
+            assert_eq!(other.step(), 2);
+            assert_eq!(train_step(&mut other, &batch), expected, "{placement:?}");
+            assert_eq!(
+                other.master_weights_to_host().unwrap(),
+                saved.master_weights_to_host().unwrap()
+            );
+        }
+        // A moment of the wrong length: refused before any weight changed.
+        let mut tensors = weights::load_tensors(dir.join(OPTIMIZER_FILE)).unwrap();
+        let key = tensors.keys().next().unwrap().clone();
+        tensors.get_mut(&key).unwrap().data.pop();
+        tensors.get_mut(&key).unwrap().shape = vec![tensors[&key].data.len()];
+        weights::save_tensors(dir.join(OPTIMIZER_FILE), &tensors).unwrap();
+        let mut policy =
+            Policy::new(Transformer::new_random(Arc::clone(&backend), tiny_config(), 5).unwrap());
+        let before = policy.master_weights_to_host().unwrap();
+        let err = policy.restore_in_place(&dir).unwrap_err().to_string();
+        assert!(err.contains(&key) && err.contains("values"), "{err}");
+        assert_eq!(policy.master_weights_to_host().unwrap(), before);
+        assert_eq!(policy.step(), 0);
+        // Another shape is not restored in place.
+        let config = ModelConfig {
+            num_hidden_layers: tiny_config().num_hidden_layers + 1,
+            ..tiny_config()
+        };
+        let mut deeper =
+            Policy::new(Transformer::new_random(Arc::clone(&backend), config, 5).unwrap());
+        assert!(!deeper.restore_in_place(&dir).unwrap());
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -253,11 +253,72 @@ fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> WeightsError + '_ {
 pub fn load_model_dir(
     dir: impl AsRef<Path>,
 ) -> Result<(ModelConfig, BTreeMap<String, HostTensor>)> {
-    let dir = dir.as_ref();
+    let mut weights = BTreeMap::new();
+    let config = visit_model_dir(dir, true, &mut |name, tensor| -> Result<()> {
+        weights.insert(name, tensor);
+        Ok(())
+    })?;
+    Ok((config, weights))
+}
+
+/// [`load_model_dir`] one tensor at a time, so the caller holds at most one in host
+/// memory (an 8B model's f32 weights are 33 GB): `f` gets every tensor of the config's
+/// specs, file by file. With `convert` false only the headers are checked (every tensor
+/// present, of its shape and a supported dtype) and `f` is not called: a caller that
+/// overwrites weights in place checks first, so a bad folder changes nothing.
+pub fn visit_model_dir<E: From<WeightsError>>(
+    dir: impl AsRef<Path>,
+    convert: bool,
+    f: &mut dyn FnMut(String, HostTensor) -> std::result::Result<(), E>,
+) -> std::result::Result<ModelConfig, E> {
+    let (config, by_file) = model_dir_files(dir.as_ref())?;
+    for (path, wanted) in by_file {
+        let file = std::fs::File::open(&path).map_err(io_err(&path))?;
+        // SAFETY: the map is read-only and lives only while this function reads it;
+        // a concurrent writer would at worst corrupt values, which the shape and
+        // header checks of safetensors bound.
+        let mmap = unsafe { memmap2::Mmap::map(&file) }.map_err(io_err(&path))?;
+        let st = SafeTensors::deserialize(&mmap).map_err(|e| WeightsError::Safetensors {
+            path: path.clone(),
+            msg: e.to_string(),
+        })?;
+        for (name, shape) in wanted {
+            let view = st.tensor(&name).map_err(|_| WeightsError::MissingTensor {
+                origin: path.display().to_string(),
+                tensor: name.clone(),
+            })?;
+            if view.shape() != shape.as_slice() {
+                return Err(WeightsError::Shape {
+                    origin: path.display().to_string(),
+                    tensor: name,
+                    expected: shape,
+                    got: view.shape().to_vec(),
+                }
+                .into());
+            }
+            let dtype_error = || WeightsError::DType {
+                path: path.clone(),
+                tensor: name.clone(),
+                dtype: format!("{:?}", view.dtype()),
+            };
+            if !convert {
+                to_f32(view.dtype(), &[]).ok_or_else(dtype_error)?;
+                continue;
+            }
+            let data = to_f32(view.dtype(), view.data()).ok_or_else(dtype_error)?;
+            f(name, HostTensor { shape, data })?;
+        }
+    }
+    Ok(config)
+}
+
+/// The config of the model folder `dir`, and which file holds each tensor of its specs.
+#[allow(clippy::type_complexity)]
+fn model_dir_files(
+    dir: &Path,
+) -> Result<(ModelConfig, BTreeMap<PathBuf, Vec<(String, Vec<usize>)>>)> {
     let config = ModelConfig::from_hf_file(dir.join("config.json"))?;
     let specs = tensor_specs(&config);
-
-    // Which file holds each tensor we need.
     let single = dir.join(SINGLE_FILE);
     let index = dir.join(INDEX_FILE);
     let mut by_file: BTreeMap<PathBuf, Vec<(String, Vec<usize>)>> = BTreeMap::new();
@@ -280,40 +341,7 @@ pub fn load_model_dir(
             dir: dir.to_path_buf(),
         });
     }
-
-    let mut weights = BTreeMap::new();
-    for (path, wanted) in by_file {
-        let file = std::fs::File::open(&path).map_err(io_err(&path))?;
-        // SAFETY: the map is read-only and lives only while this function reads it;
-        // a concurrent writer would at worst corrupt values, which the shape and
-        // header checks of safetensors bound.
-        let mmap = unsafe { memmap2::Mmap::map(&file) }.map_err(io_err(&path))?;
-        let st = SafeTensors::deserialize(&mmap).map_err(|e| WeightsError::Safetensors {
-            path: path.clone(),
-            msg: e.to_string(),
-        })?;
-        for (name, shape) in wanted {
-            let view = st.tensor(&name).map_err(|_| WeightsError::MissingTensor {
-                origin: path.display().to_string(),
-                tensor: name.clone(),
-            })?;
-            if view.shape() != shape.as_slice() {
-                return Err(WeightsError::Shape {
-                    origin: path.display().to_string(),
-                    tensor: name,
-                    expected: shape,
-                    got: view.shape().to_vec(),
-                });
-            }
-            let data = to_f32(view.dtype(), view.data()).ok_or_else(|| WeightsError::DType {
-                path: path.clone(),
-                tensor: name.clone(),
-                dtype: format!("{:?}", view.dtype()),
-            })?;
-            weights.insert(name, HostTensor { shape, data });
-        }
-    }
-    Ok((config, weights))
+    Ok((config, by_file))
 }
 
 /// The `weight_map` of a shard index: tensor name → shard file name.
@@ -580,6 +608,16 @@ pub fn save_tensor_views(
 /// The file is mapped, not read, so only the f32 values take memory (an 8B model's AdamW
 /// moments are a 56 GB file).
 pub fn load_tensors(path: impl AsRef<Path>) -> Result<BTreeMap<String, HostTensor>> {
+    let mut tensors = BTreeMap::new();
+    visit_tensors(path, &mut |name, tensor| -> Result<()> {
+        tensors.insert(name, tensor);
+        Ok(())
+    })?;
+    Ok(tensors)
+}
+
+/// The shape of every tensor of the safetensors file at `path`, from its header alone.
+pub fn tensor_shapes(path: impl AsRef<Path>) -> Result<BTreeMap<String, Vec<usize>>> {
     let path = path.as_ref();
     let file = std::fs::File::open(path).map_err(io_err(path))?;
     // SAFETY: as in `load_model_dir`: a read-only map, read only within this function.
@@ -588,16 +626,34 @@ pub fn load_tensors(path: impl AsRef<Path>) -> Result<BTreeMap<String, HostTenso
         path: path.to_path_buf(),
         msg: e.to_string(),
     })?;
-    st.tensors()
+    Ok(st
+        .tensors()
         .into_iter()
-        .map(|(name, view)| {
-            let data = to_f32(view.dtype(), view.data()).ok_or_else(|| WeightsError::DType {
-                path: path.to_path_buf(),
-                tensor: name.clone(),
-                dtype: format!("{:?}", view.dtype()),
-            })?;
-            let shape = view.shape().to_vec();
-            Ok((name, HostTensor { shape, data }))
-        })
-        .collect()
+        .map(|(name, view)| (name, view.shape().to_vec()))
+        .collect())
+}
+
+/// [`load_tensors`] one tensor at a time (the caller holds at most one in host memory).
+pub fn visit_tensors<E: From<WeightsError>>(
+    path: impl AsRef<Path>,
+    f: &mut dyn FnMut(String, HostTensor) -> std::result::Result<(), E>,
+) -> std::result::Result<(), E> {
+    let path = path.as_ref();
+    let file = std::fs::File::open(path).map_err(io_err(path))?;
+    // SAFETY: as in `load_model_dir`: a read-only map, read only within this function.
+    let bytes = unsafe { memmap2::Mmap::map(&file) }.map_err(io_err(path))?;
+    let st = SafeTensors::deserialize(&bytes).map_err(|e| WeightsError::Safetensors {
+        path: path.to_path_buf(),
+        msg: e.to_string(),
+    })?;
+    for (name, view) in st.tensors() {
+        let data = to_f32(view.dtype(), view.data()).ok_or_else(|| WeightsError::DType {
+            path: path.to_path_buf(),
+            tensor: name.clone(),
+            dtype: format!("{:?}", view.dtype()),
+        })?;
+        let shape = view.shape().to_vec();
+        f(name, HostTensor { shape, data })?;
+    }
+    Ok(())
 }
