@@ -682,24 +682,32 @@ impl<B: Backend> Policy<B> {
 
     /// Restores a full-weight state written by [`Policy::save`] into this policy's own
     /// buffers, one tensor at a time, when it has the same shape and the same kind of
-    /// optimizer state (whole, at any placement); `Ok(false)` when it cannot (a LoRA state,
-    /// another shape, a sharded state or policy), and then nothing changed. Building a
+    /// optimizer state (whole at any placement, or sharded in the same buckets: every rank
+    /// then calls it together); `Ok(false)` when it cannot (a LoRA state, another shape,
+    /// a whole state for a sharded policy or the reverse), and then nothing changed. Building a
     /// second policy beside this one, as [`Policy::load`] does, needs the weights, the
     /// gradients and the optimizer state twice at once: at 8B more than an 80 GB card
     /// and a 125 GB host hold. The files are checked before anything is overwritten.
     pub fn restore_in_place(&mut self, dir: &Path) -> Result<bool> {
-        if is_lora_state(dir)
-            || self.model.lora_config().is_some()
-            || self.model.base_is_shared()
-            || self.is_sharded()
-        {
+        if is_lora_state(dir) || self.model.lora_config().is_some() || self.model.base_is_shared() {
             return Ok(false);
         }
         let meta = read_optimizer_meta(dir)?;
         let model_dir = dir.join(MODEL_DIR);
         let config = floe_model::ModelConfig::from_hf_file(model_dir.join("config.json"))?;
-        if meta.sharding.is_some() || &config != self.model.config() {
+        if &config != self.model.config() {
             return Ok(false);
+        }
+        match (&mut self.state, &meta.sharding) {
+            (OptimizerState::Sharded(sharded), Some(sharding)) => {
+                let restored = sharded.restore(&mut self.model, dir, sharding)?;
+                if restored {
+                    self.step = meta.step;
+                }
+                return Ok(restored);
+            }
+            (OptimizerState::Sharded(_), None) | (_, Some(_)) => return Ok(false),
+            _ => {}
         }
         // Checked first: every weight present with its shape, the moments complete.
         weights::visit_model_dir(&model_dir, false, &mut |_, _| -> Result<()> { Ok(()) })?;

@@ -263,6 +263,69 @@ impl<B: Backend> ShardedOptimizer<B> {
         Ok(this)
     }
 
+    /// Puts the state [`ShardedOptimizer::save`] wrote under `dir` with `meta` into this
+    /// optimizer's own buffers and gathers its masters into `model`'s weights, when it was
+    /// saved in the same buckets (at any world size); `Ok(false)` otherwise, and then
+    /// nothing changed. Every rank calls it together. Only this rank's shard is read
+    /// into host memory, all of it before anything is overwritten.
+    pub(crate) fn restore(
+        &mut self,
+        model: &mut Transformer<B>,
+        dir: &Path,
+        meta: &ShardingMeta,
+    ) -> Result<bool> {
+        let elements: usize = self.buckets.iter().map(|b| b.len).sum();
+        if meta.bucket_elements != self.bucket_elements || meta.elements != elements {
+            return Ok(false);
+        }
+        let (rank, world_size) = (self.collective.rank(), self.collective.world_size());
+        let saved = read_shards(dir, meta, &self.buckets, world_size, rank)?;
+        let backend = Arc::clone(&self.backend);
+        let b_ = &*backend;
+        for (b, (master, moments)) in saved.into_iter().enumerate() {
+            let at = self.staging(b, self.weights_kind)?;
+            let shard = &mut self.shards[b];
+            let weights: &B::Buf = match &mut shard.state {
+                ShardState::Device {
+                    master: device_master,
+                    moments: device_moments,
+                    weights,
+                } => {
+                    b_.copy(device_master, &b_.upload(&master, BufKind::Full)?)?;
+                    *device_moments = match moments {
+                        Some((m, v)) => Some(Moments {
+                            m: b_.upload(&m, BufKind::Full)?,
+                            v: b_.upload(&v, BufKind::Full)?,
+                        }),
+                        None => None,
+                    };
+                    match weights {
+                        Some(weights) => {
+                            b_.copy(weights, device_master)?;
+                            weights
+                        }
+                        None => device_master,
+                    }
+                }
+                ShardState::Host {
+                    master: host_master,
+                    moments: host_moments,
+                    weights,
+                } => {
+                    b_.copy(weights, &b_.upload(&master, BufKind::Full)?)?;
+                    *host_master = master;
+                    *host_moments = moments.map(|(m, v)| Moments { m, v });
+                    weights
+                }
+            };
+            let staging = &mut self.staging[at].2;
+            self.collective.all_gather(weights, staging)?;
+            unpack(b_, model, &self.buckets[b], staging)?;
+        }
+        model.zero_grad()?;
+        Ok(true)
+    }
+
     fn empty(
         model: &mut Transformer<B>,
         collective: Arc<dyn Collective<B>>,
