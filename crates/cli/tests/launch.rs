@@ -316,3 +316,60 @@ fn a_node_of_several_numbers_its_ranks_after_the_nodes_before_it() {
         outside.stderr
     );
 }
+
+#[test]
+fn max_restarts_starts_every_rank_again_after_a_failure() {
+    // Rank 1 fails in the first attempt while rank 0 is still running; both succeed in
+    // the second.
+    let script = "echo \"attempt $TORCHELASTIC_RESTART_COUNT\"; \
+                  if [ \"$TORCHELASTIC_RESTART_COUNT\" = 0 ]; then \
+                    if [ \"$RANK\" = 1 ]; then exit 3; else sleep 10; fi; \
+                  fi";
+    let output = run_to_end(floe_launch(&[
+        "--gpus",
+        "2",
+        "--max-restarts",
+        "2",
+        "--grace-period",
+        "2",
+        "sh",
+        "-c",
+        script,
+    ]));
+    let (stdout, stderr) = (&output.stdout, &output.stderr);
+    assert!(output.status.success(), "{stdout}\n{stderr}");
+    for line in [
+        "[rank 1] attempt 0",
+        "[rank 0] attempt 1",
+        "[rank 1] attempt 1",
+    ] {
+        assert!(stdout.contains(line), "no {line:?} in:\n{stdout}");
+    }
+    assert!(
+        stderr.contains("rank 1 exited with code 3; the other ranks were stopped; restarting every rank (1 of 2 restarts)"),
+        "{stderr}"
+    );
+
+    // A rank that always fails ends the launcher after the last restart, with its code.
+    let output = run_to_end(floe_launch(&[
+        "--gpus",
+        "1",
+        "--max-restarts",
+        "1",
+        "sh",
+        "-c",
+        "echo \"attempt $TORCHELASTIC_RESTART_COUNT\"; exit 4",
+    ]));
+    assert_eq!(output.status.code(), Some(4), "{}", output.stderr);
+    assert!(
+        output.stdout.contains("[rank 0] attempt 1"),
+        "{}",
+        output.stdout
+    );
+    assert_eq!(
+        output.stderr.matches("restarting every rank").count(),
+        1,
+        "{}",
+        output.stderr
+    );
+}

@@ -59,6 +59,11 @@ pub struct Args {
     /// Also write each rank's output, unprefixed, to DIR/rank-R.log.
     #[arg(long, alias = "log_dir", value_name = "DIR")]
     log_dir: Option<PathBuf>,
+    /// Start every rank again, up to this many times, when one fails (as torchrun's
+    /// `--max-restarts`; each rank sees `TORCHELASTIC_RESTART_COUNT`). With
+    /// `trainer.resume = "latest"` a run goes on from its last checkpoint.
+    #[arg(long, alias = "max_restarts", default_value_t = 0, value_name = "N")]
+    max_restarts: u32,
     /// Seconds a rank has to exit after SIGTERM (or a forwarded SIGINT) before SIGKILL.
     #[arg(long, value_name = "SECONDS", default_value = "30", value_parser = parse_seconds)]
     grace_period: Duration,
@@ -87,6 +92,9 @@ fn parse_seconds(text: &str) -> Result<Duration, String> {
 pub struct LaunchFailed {
     message: String,
     exit_code: u8,
+    /// A rank failed while running (not a rank that could not start, nor a signal to the
+    /// launcher): `--max-restarts` starts the group again.
+    restartable: bool,
 }
 
 impl LaunchFailed {
@@ -169,65 +177,79 @@ pub fn run(args: Args) -> Result<()> {
         }
     });
 
-    let mut ranks = Vec::with_capacity(nproc);
-    let mut output_threads = Vec::new();
-    let mut failure = None;
-    for local in 0..nproc {
-        let rank = first_rank + local;
-        let mut command = Command::new(&program);
-        command
-            .args(&program_args)
-            .env("RANK", rank.to_string())
-            .env("LOCAL_RANK", local.to_string())
-            .env("GROUP_RANK", node_rank.to_string())
-            .env("WORLD_SIZE", world_size.to_string())
-            .env("LOCAL_WORLD_SIZE", nproc.to_string())
-            .env("MASTER_ADDR", &args.master_addr)
-            .env("MASTER_PORT", master_port.to_string())
-            // Ranks run in their own process groups (as torchrun's workers run in their
-            // own sessions): a terminal's Ctrl-C then reaches only the launcher, which
-            // forwards it once, and stopping a rank signals its whole group, so a shell
-            // wrapper's children stop too. Out of the terminal's foreground group a rank
-            // must not read the terminal, hence no stdin.
-            .process_group(0)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
-        die_with_launcher(&mut command);
-        let mut child = match command.spawn() {
-            Ok(child) => child,
-            Err(err) => {
-                failure = Some(LaunchFailed {
-                    message: format!("rank {rank}: starting {program:?}: {err}"),
-                    exit_code: 2,
-                });
-                break;
-            }
-        };
-        let log = logs.get(local).cloned();
-        let stdout = child.stdout.take().expect("stdout is piped");
-        let stderr = child.stderr.take().expect("stderr is piped");
-        output_threads.push(copy_lines(rank, stdout, io::stdout, log.clone()));
-        output_threads.push(copy_lines(rank, stderr, io::stderr, log));
-        let pid = Pid::from_child(&child);
-        let exited = events.clone();
-        thread::spawn(move || {
-            let status = child.wait();
-            exited
-                .send(Event::Exited { local, status })
-                .expect("the launcher waits for every rank");
-        });
-        ranks.push(pid);
-    }
+    for restart in 0..=args.max_restarts {
+        let mut ranks = Vec::with_capacity(nproc);
+        let mut output_threads = Vec::new();
+        let mut failure = None;
+        for local in 0..nproc {
+            let rank = first_rank + local;
+            let mut command = Command::new(&program);
+            command
+                .args(&program_args)
+                .env("RANK", rank.to_string())
+                .env("LOCAL_RANK", local.to_string())
+                .env("GROUP_RANK", node_rank.to_string())
+                .env("WORLD_SIZE", world_size.to_string())
+                .env("LOCAL_WORLD_SIZE", nproc.to_string())
+                .env("MASTER_ADDR", &args.master_addr)
+                .env("MASTER_PORT", master_port.to_string())
+                .env("TORCHELASTIC_RESTART_COUNT", restart.to_string())
+                // Ranks run in their own process groups (as torchrun's workers run in their
+                // own sessions): a terminal's Ctrl-C then reaches only the launcher, which
+                // forwards it once, and stopping a rank signals its whole group, so a shell
+                // wrapper's children stop too. Out of the terminal's foreground group a rank
+                // must not read the terminal, hence no stdin.
+                .process_group(0)
+                .stdin(Stdio::null())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped());
+            die_with_launcher(&mut command);
+            let mut child = match command.spawn() {
+                Ok(child) => child,
+                Err(err) => {
+                    failure = Some(LaunchFailed {
+                        message: format!("rank {rank}: starting {program:?}: {err}"),
+                        exit_code: 2,
+                        restartable: false,
+                    });
+                    break;
+                }
+            };
+            let log = logs.get(local).cloned();
+            let stdout = child.stdout.take().expect("stdout is piped");
+            let stderr = child.stderr.take().expect("stderr is piped");
+            output_threads.push(copy_lines(rank, stdout, io::stdout, log.clone()));
+            output_threads.push(copy_lines(rank, stderr, io::stderr, log));
+            let pid = Pid::from_child(&child);
+            let exited = events.clone();
+            thread::spawn(move || {
+                let status = child.wait();
+                exited
+                    .send(Event::Exited { local, status })
+                    .expect("the launcher waits for every rank");
+            });
+            ranks.push(pid);
+        }
 
-    let result = supervise(&ranks, first_rank, &event_rx, failure, args.grace_period);
-    let drain_deadline = Instant::now() + OUTPUT_DRAIN;
-    while output_threads.iter().any(|thread| !thread.is_finished())
-        && Instant::now() < drain_deadline
-    {
-        thread::sleep(Duration::from_millis(10));
+        let result = supervise(&ranks, first_rank, &event_rx, failure, args.grace_period);
+        let drain_deadline = Instant::now() + OUTPUT_DRAIN;
+        while output_threads.iter().any(|thread| !thread.is_finished())
+            && Instant::now() < drain_deadline
+        {
+            thread::sleep(Duration::from_millis(10));
+        }
+        match result {
+            Err(failure) if failure.restartable && restart < args.max_restarts => {
+                eprintln!(
+                    "floe launch: {failure}; restarting every rank ({} of {} restarts)",
+                    restart + 1,
+                    args.max_restarts
+                );
+            }
+            result => return result.map_err(anyhow::Error::new),
+        }
     }
-    result.map_err(anyhow::Error::new)
+    unreachable!("the last attempt returns")
 }
 
 /// Waits for every rank in `ranks` (their process ids, by local rank; the first is rank
@@ -294,6 +316,7 @@ fn supervise(
                     failure = Some(LaunchFailed {
                         message: format!("rank {rank} {what}"),
                         exit_code,
+                        restartable: true,
                     });
                     stopped_others = signal_running(&running, Signal::TERM);
                     kill_at = Some(Instant::now() + grace_period);
@@ -330,6 +353,7 @@ fn supervise(
         return Err(LaunchFailed {
             message: format!("stopped by {}", signal_name(signal)),
             exit_code: shell_status(signal),
+            restartable: false,
         });
     }
     Ok(())
