@@ -45,6 +45,13 @@ fn run<B: Backend, C: Collective<B>>(b: &B, c: &C) -> Vec<Vec<f32>> {
     ]
 }
 
+/// A fresh NCCL id, or `None` (said on stderr) where NCCL cannot be loaded.
+fn nccl_id() -> Option<[u8; floe_backend::cuda::NCCL_ID_BYTES]> {
+    NcclCollective::unique_id()
+        .map_err(|e| eprintln!("skipping: NCCL unavailable ({e})"))
+        .ok()
+}
+
 #[test]
 fn nccl_matches_the_in_process_collective() {
     let mut backends = Vec::new();
@@ -55,13 +62,7 @@ fn nccl_matches_the_in_process_collective() {
         eprintln!("skipping: no usable GPU");
         return;
     }
-    let id = match NcclCollective::unique_id() {
-        Ok(id) => id,
-        Err(e) => {
-            eprintln!("skipping: NCCL unavailable ({e})");
-            return;
-        }
-    };
+    let Some(id) = nccl_id() else { return };
     let world_size = backends.len();
     // ncclCommInitRank blocks until every rank joins: one thread per rank.
     let nccl: Vec<Vec<Vec<f32>>> = thread::scope(|s| {
@@ -113,13 +114,7 @@ fn a_watched_world_of_one_runs_ops_and_drops_promptly() {
         eprintln!("skipping: no usable GPU");
         return;
     };
-    let id = match NcclCollective::unique_id() {
-        Ok(id) => id,
-        Err(e) => {
-            eprintln!("skipping: NCCL unavailable ({e})");
-            return;
-        }
-    };
+    let Some(id) = nccl_id() else { return };
     let c = NcclCollective::new(&b, 0, 1, &id).unwrap();
     let first = run(&b, &c);
     // Long enough for the watchdog to look at finished collectives a few times.

@@ -712,47 +712,16 @@ impl<B: Backend> Policy<B> {
         // Checked first: every weight present with its shape, the moments complete.
         weights::visit_model_dir(&model_dir, false, &mut |_, _| -> Result<()> { Ok(()) })?;
         let optimizer_path = dir.join(OPTIMIZER_FILE);
-        let corrupt = |msg: String| Error::Corrupt {
-            path: optimizer_path.clone(),
-            msg,
-        };
-        let lens: BTreeMap<String, usize> = self
-            .model
-            .trainable_specs()
+        let saved = weights::tensor_shapes(&optimizer_path)?
             .into_iter()
-            .map(|(name, shape)| (name, shape.iter().product()))
+            .map(|(key, shape)| (key, shape.iter().product()))
             .collect();
-        let saved = weights::tensor_shapes(&optimizer_path)?;
-        for (key, shape) in &saved {
-            let (name, suffix) = key.rsplit_once('.').unwrap_or((key, ""));
-            let Some(&len) = lens.get(name) else {
-                return Err(corrupt(format!(
-                    "tensor `{key}` belongs to no parameter of the model"
-                )));
-            };
-            let other = match suffix {
-                EXP_AVG => EXP_AVG_SQ,
-                EXP_AVG_SQ => EXP_AVG,
-                _ => return Err(corrupt(format!("tensor `{key}` is not an AdamW moment"))),
-            };
-            if shape.iter().product::<usize>() != len {
-                return Err(corrupt(format!(
-                    "tensor `{key}` has {} values; the parameter has {len}",
-                    shape.iter().product::<usize>()
-                )));
-            }
-            if !saved.contains_key(&format!("{name}.{other}")) {
-                return Err(corrupt(format!(
-                    "`{name}` has only one of its two AdamW moments"
-                )));
-            }
-        }
-        if meta.step > 0 && saved.is_empty() {
-            return Err(corrupt(format!(
-                "no AdamW moments after {} steps",
-                meta.step
-            )));
-        }
+        check_saved_moments(
+            &optimizer_path,
+            &saved,
+            &trained_lens(&self.model),
+            meta.step,
+        )?;
 
         let backend = Arc::clone(self.model.backend());
         let Policy { model, state, .. } = self;
@@ -888,46 +857,18 @@ impl<B: Backend> Policy<B> {
         placement: OptimizerPlacement,
     ) -> Result<Self> {
         let optimizer_path = dir.join(OPTIMIZER_FILE);
-        let corrupt = |msg: String| Error::Corrupt {
-            path: optimizer_path.clone(),
-            msg,
-        };
         let mut tensors = weights::load_tensors(&optimizer_path)?;
+        let saved = tensors
+            .iter()
+            .map(|(key, t)| (key.clone(), t.data.len()))
+            .collect();
+        check_saved_moments(&optimizer_path, &saved, &trained_lens(&model), meta.step)?;
         let mut moments = BTreeMap::new();
-        for (name, shape) in model.trainable_specs() {
-            let len: usize = shape.iter().product();
-            let mut take = |suffix: &str| -> Result<Option<HostTensor>> {
-                let key = format!("{name}.{suffix}");
-                match tensors.remove(&key) {
-                    Some(t) if t.data.len() != len => Err(corrupt(format!(
-                        "tensor `{key}` has {} values; the parameter has {len}",
-                        t.data.len()
-                    ))),
-                    other => Ok(other),
-                }
-            };
-            match (take(EXP_AVG)?, take(EXP_AVG_SQ)?) {
-                (Some(m), Some(v)) => {
-                    moments.insert(name, (m.data, v.data));
-                }
-                (None, None) => {}
-                _ => {
-                    return Err(corrupt(format!(
-                        "`{name}` has only one of its two AdamW moments"
-                    )))
-                }
+        for (name, _) in model.trainable_specs() {
+            let mut take = |suffix: &str| tensors.remove(&format!("{name}.{suffix}"));
+            if let (Some(m), Some(v)) = (take(EXP_AVG), take(EXP_AVG_SQ)) {
+                moments.insert(name, (m.data, v.data));
             }
-        }
-        if let Some(extra) = tensors.keys().next() {
-            return Err(corrupt(format!(
-                "tensor `{extra}` belongs to no parameter of the model"
-            )));
-        }
-        if meta.step > 0 && moments.is_empty() {
-            return Err(corrupt(format!(
-                "no AdamW moments after {} steps",
-                meta.step
-            )));
         }
         Self::with_moments(model, meta.step, moments, placement)
     }
@@ -1007,6 +948,57 @@ fn device_moments<'m, B: Backend>(
         moments.insert(name.to_string(), state);
     }
     Ok(moments.get_mut(name).expect("inserted above"))
+}
+
+/// Elements of each trained parameter of `model`, by name.
+fn trained_lens<B: Backend>(model: &Transformer<B>) -> BTreeMap<String, usize> {
+    model
+        .trainable_specs()
+        .into_iter()
+        .map(|(name, shape)| (name, shape.iter().product()))
+        .collect()
+}
+
+/// Checks the AdamW moments saved in `path` (`saved`: tensor name to its elements)
+/// against the parameters' `lens` after `step` steps: every tensor a moment of a
+/// parameter, of its length, both moments or neither, and some once a step was taken.
+fn check_saved_moments(
+    path: &Path,
+    saved: &BTreeMap<String, usize>,
+    lens: &BTreeMap<String, usize>,
+    step: u64,
+) -> Result<()> {
+    let corrupt = |msg: String| Error::Corrupt {
+        path: path.to_path_buf(),
+        msg,
+    };
+    for (key, &elements) in saved {
+        let (name, suffix) = key.rsplit_once('.').unwrap_or((key, ""));
+        let Some(&len) = lens.get(name) else {
+            return Err(corrupt(format!(
+                "tensor `{key}` belongs to no parameter of the model"
+            )));
+        };
+        let other = match suffix {
+            EXP_AVG => EXP_AVG_SQ,
+            EXP_AVG_SQ => EXP_AVG,
+            _ => return Err(corrupt(format!("tensor `{key}` is not an AdamW moment"))),
+        };
+        if elements != len {
+            return Err(corrupt(format!(
+                "tensor `{key}` has {elements} values; the parameter has {len}"
+            )));
+        }
+        if !saved.contains_key(&format!("{name}.{other}")) {
+            return Err(corrupt(format!(
+                "`{name}` has only one of its two AdamW moments"
+            )));
+        }
+    }
+    if step > 0 && saved.is_empty() {
+        return Err(corrupt(format!("no AdamW moments after {step} steps")));
+    }
+    Ok(())
 }
 
 fn read_optimizer_meta(dir: &Path) -> Result<OptimizerMeta> {

@@ -273,43 +273,46 @@ pub fn visit_model_dir<E: From<WeightsError>>(
 ) -> std::result::Result<ModelConfig, E> {
     let (config, by_file) = model_dir_files(dir.as_ref())?;
     for (path, wanted) in by_file {
-        let file = std::fs::File::open(&path).map_err(io_err(&path))?;
-        // SAFETY: the map is read-only and lives only while this function reads it;
-        // a concurrent writer would at worst corrupt values, which the shape and
-        // header checks of safetensors bound.
-        let mmap = unsafe { memmap2::Mmap::map(&file) }.map_err(io_err(&path))?;
-        let st = SafeTensors::deserialize(&mmap).map_err(|e| WeightsError::Safetensors {
-            path: path.clone(),
-            msg: e.to_string(),
-        })?;
-        for (name, shape) in wanted {
-            let view = st.tensor(&name).map_err(|_| WeightsError::MissingTensor {
-                origin: path.display().to_string(),
-                tensor: name.clone(),
-            })?;
-            if view.shape() != shape.as_slice() {
-                return Err(WeightsError::Shape {
-                    origin: path.display().to_string(),
-                    tensor: name,
-                    expected: shape,
-                    got: view.shape().to_vec(),
-                }
-                .into());
-            }
-            let dtype_error = || WeightsError::DType {
-                path: path.clone(),
-                tensor: name.clone(),
-                dtype: format!("{:?}", view.dtype()),
-            };
-            if !convert {
-                to_f32(view.dtype(), &[]).ok_or_else(dtype_error)?;
-                continue;
-            }
-            let data = to_f32(view.dtype(), view.data()).ok_or_else(dtype_error)?;
-            f(name, HostTensor { shape, data })?;
-        }
+        with_safetensors(&path, |st| visit_wanted(&path, st, wanted, convert, f))?;
     }
     Ok(config)
+}
+
+/// The `wanted` tensors of the file `path` (read as `st`) to `f`, checked and converted.
+fn visit_wanted<E: From<WeightsError>>(
+    path: &Path,
+    st: &SafeTensors<'_>,
+    wanted: Vec<(String, Vec<usize>)>,
+    convert: bool,
+    f: &mut dyn FnMut(String, HostTensor) -> std::result::Result<(), E>,
+) -> std::result::Result<(), E> {
+    for (name, shape) in wanted {
+        let view = st.tensor(&name).map_err(|_| WeightsError::MissingTensor {
+            origin: path.display().to_string(),
+            tensor: name.clone(),
+        })?;
+        if view.shape() != shape.as_slice() {
+            return Err(WeightsError::Shape {
+                origin: path.display().to_string(),
+                tensor: name,
+                expected: shape,
+                got: view.shape().to_vec(),
+            }
+            .into());
+        }
+        let dtype_error = || WeightsError::DType {
+            path: path.to_path_buf(),
+            tensor: name.clone(),
+            dtype: format!("{:?}", view.dtype()),
+        };
+        if !convert {
+            to_f32(view.dtype(), &[]).ok_or_else(dtype_error)?;
+            continue;
+        }
+        let data = to_f32(view.dtype(), view.data()).ok_or_else(dtype_error)?;
+        f(name, HostTensor { shape, data })?;
+    }
+    Ok(())
 }
 
 /// The config of the model folder `dir`, and which file holds each tensor of its specs.
@@ -618,19 +621,30 @@ pub fn load_tensors(path: impl AsRef<Path>) -> Result<BTreeMap<String, HostTenso
 
 /// The shape of every tensor of the safetensors file at `path`, from its header alone.
 pub fn tensor_shapes(path: impl AsRef<Path>) -> Result<BTreeMap<String, Vec<usize>>> {
-    let path = path.as_ref();
+    with_safetensors(path.as_ref(), |st| {
+        Ok(st
+            .tensors()
+            .into_iter()
+            .map(|(name, view)| (name, view.shape().to_vec()))
+            .collect())
+    })
+}
+
+/// `read` of the safetensors file at `path`, mapped read-only for the call.
+fn with_safetensors<T, E: From<WeightsError>>(
+    path: &Path,
+    read: impl FnOnce(&SafeTensors<'_>) -> std::result::Result<T, E>,
+) -> std::result::Result<T, E> {
     let file = std::fs::File::open(path).map_err(io_err(path))?;
-    // SAFETY: as in `load_model_dir`: a read-only map, read only within this function.
+    // SAFETY: the map is read-only and lives only while `read` runs; a concurrent
+    // writer would at worst corrupt values, which the shape and header checks of
+    // safetensors bound.
     let bytes = unsafe { memmap2::Mmap::map(&file) }.map_err(io_err(path))?;
     let st = SafeTensors::deserialize(&bytes).map_err(|e| WeightsError::Safetensors {
         path: path.to_path_buf(),
         msg: e.to_string(),
     })?;
-    Ok(st
-        .tensors()
-        .into_iter()
-        .map(|(name, view)| (name, view.shape().to_vec()))
-        .collect())
+    read(&st)
 }
 
 /// [`load_tensors`] one tensor at a time (the caller holds at most one in host memory).
@@ -639,21 +653,16 @@ pub fn visit_tensors<E: From<WeightsError>>(
     f: &mut dyn FnMut(String, HostTensor) -> std::result::Result<(), E>,
 ) -> std::result::Result<(), E> {
     let path = path.as_ref();
-    let file = std::fs::File::open(path).map_err(io_err(path))?;
-    // SAFETY: as in `load_model_dir`: a read-only map, read only within this function.
-    let bytes = unsafe { memmap2::Mmap::map(&file) }.map_err(io_err(path))?;
-    let st = SafeTensors::deserialize(&bytes).map_err(|e| WeightsError::Safetensors {
-        path: path.to_path_buf(),
-        msg: e.to_string(),
-    })?;
-    for (name, view) in st.tensors() {
-        let data = to_f32(view.dtype(), view.data()).ok_or_else(|| WeightsError::DType {
-            path: path.to_path_buf(),
-            tensor: name.clone(),
-            dtype: format!("{:?}", view.dtype()),
-        })?;
-        let shape = view.shape().to_vec();
-        f(name, HostTensor { shape, data })?;
-    }
-    Ok(())
+    with_safetensors(path, |st| {
+        for (name, view) in st.tensors() {
+            let data = to_f32(view.dtype(), view.data()).ok_or_else(|| WeightsError::DType {
+                path: path.to_path_buf(),
+                tensor: name.clone(),
+                dtype: format!("{:?}", view.dtype()),
+            })?;
+            let shape = view.shape().to_vec();
+            f(name, HostTensor { shape, data })?;
+        }
+        Ok(())
+    })
 }

@@ -160,17 +160,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 CudaBackend::new(ordinal)
                     .with_context(|| format!("opening device {}", args.device))?,
             );
-            let profiler = args.profile.then(|| Arc::clone(&backend));
-            let bandwidth = backend.memory_bandwidth();
-            bench(
-                backend,
-                &args,
-                config,
-                host_dir,
-                profiler,
-                Some(bandwidth),
-                None,
-            )
+            bench_cuda(backend, &args, config, host_dir, None)
         }
     }
 }
@@ -204,17 +194,7 @@ fn run_rank(
         }
     };
     eprintln!("rank {rank} of {size} on {}", backend.name());
-    let profiler = args.profile.then(|| Arc::clone(&backend));
-    let bandwidth = backend.memory_bandwidth();
-    let outcome = bench(
-        backend,
-        &args,
-        config,
-        host_dir,
-        profiler,
-        Some(bandwidth),
-        collective,
-    );
+    let outcome = bench_cuda(backend, &args, config, host_dir, collective);
     // The other ranks learn at once how this one ended: an error stops them naming it.
     if let Some(group) = group {
         match &outcome {
@@ -223,6 +203,27 @@ fn run_rank(
         }
     }
     outcome
+}
+
+/// [`bench`] on a GPU: its kernel profiler when asked, the roofline from its bandwidth.
+fn bench_cuda(
+    backend: Arc<CudaBackend>,
+    args: &Args,
+    config: ModelConfig,
+    host_dir: Option<PathBuf>,
+    collective: Option<Arc<dyn Collective<CudaBackend>>>,
+) -> anyhow::Result<()> {
+    let profiler = args.profile.then(|| Arc::clone(&backend));
+    let bandwidth = backend.memory_bandwidth();
+    bench(
+        backend,
+        args,
+        config,
+        host_dir,
+        profiler,
+        Some(bandwidth),
+        collective,
+    )
 }
 
 /// The model's shape, and the folder to load weights from unless they are random.
