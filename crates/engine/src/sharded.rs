@@ -229,37 +229,17 @@ impl<B: Backend> ShardedOptimizer<B> {
         let (_, lens) = layout(model)?;
         check_elements(dir, meta, &lens)?;
         let mut this = Self::empty(model, collective, placement, meta.bucket_elements, &lens)?;
-        let (rank, world_size) = (this.collective.rank(), this.collective.world_size());
-        let backend = Arc::clone(&this.backend);
-        let saved = read_shards(dir, meta, &this.buckets, world_size, rank)?;
-        for (b, (master, moments)) in saved.into_iter().enumerate() {
-            // The masters go into every rank's weights first.
-            let master = backend.upload(&master, BufKind::Full)?;
-            let at = this.staging(b, BufKind::Full)?;
-            let staging = &mut this.staging[at].2;
-            this.collective.all_gather(&master, staging)?;
-            unpack(&*backend, model, &this.buckets[b], staging)?;
-            let moments = match moments {
-                Some((m, v)) => Some(Moments {
-                    m: backend.upload(&m, BufKind::Full)?,
-                    v: backend.upload(&v, BufKind::Full)?,
-                }),
-                None => None,
-            };
-            let state = this.shard_state(master, moments)?;
+        for b in 0..this.buckets.len() {
             let shard_len = this.partitions[b].shard_len();
-            this.shards.push(Shard {
-                grad: backend.zeros(shard_len, BufKind::Full)?,
-                state,
-            });
+            let master = this.backend.zeros(shard_len, BufKind::Full)?;
+            let state = this.shard_state(master, None)?;
+            let grad = this.backend.zeros(shard_len, BufKind::Full)?;
+            this.shards.push(Shard { grad, state });
         }
-        model.visit_params(&mut |_, slot| {
-            if let Some(compute) = slot.compute {
-                backend.copy(compute, slot.param)?;
-            }
-            Ok(())
-        })?;
         this.drop_model_masters(model)?;
+        // The buckets are the checkpoint's by construction: restore takes it.
+        let restored = this.restore(model, dir, meta)?;
+        debug_assert!(restored, "a checkpoint's own bucket layout restores");
         Ok(this)
     }
 
