@@ -283,6 +283,29 @@ pub trait Backend: Send + Sync + 'static {
     where
         Self: Sized;
 
+    /// Whether [`Backend::graphed`] regions become graphs (callers pad their inputs to
+    /// few shapes only then). The default: no.
+    fn captures_graphs(&self) -> bool {
+        false
+    }
+
+    /// Runs `ops`, a stretch of ops on this backend that repeats (a decode step's
+    /// layers), as one unit where the backend can: CUDA replays a graph captured from
+    /// an earlier call whose launches were the same, kernel for kernel and address for
+    /// address. `ops` may run more than once per call (the CUDA backend checks its
+    /// launches, then captures or replays) and must enqueue the same ops each time; it
+    /// may not read results back, copy or fill buffers: such a region runs eagerly. The
+    /// default runs `ops` as it is.
+    fn graphed<E: From<Error> + std::fmt::Display>(
+        &self,
+        ops: &mut dyn FnMut() -> std::result::Result<(), E>,
+    ) -> std::result::Result<(), E>
+    where
+        Self: Sized,
+    {
+        ops()
+    }
+
     // ---- batch invariance ------------------------------------------------------------
 
     /// Whether the ops on the log-prob path are in their batch-invariant form (see
@@ -343,6 +366,9 @@ pub trait Backend: Send + Sync + 'static {
     }
     /// An Index buffer holding `data`.
     fn upload_index(&self, data: &[u32]) -> Result<Self::Buf>;
+    /// Overwrites the Index buffer `dst` with `data` (the same length): inputs that keep
+    /// their address from call to call, as a [`Backend::graphed`] region needs.
+    fn write_index(&self, dst: &mut Self::Buf, data: &[u32]) -> Result<()>;
     /// The contents of a Compute or Full buffer as `f32`.
     fn download(&self, buf: &Self::Buf) -> Result<Vec<f32>>;
     /// The contents of a Compute or Full buffer as `f64` (exact on a `f64` CPU backend).

@@ -13,8 +13,9 @@ use crate::transformer::{Attend, LayerActs, ModelError, Residual, Result, Transf
 
 /// The paged KV cache of every layer.
 pub struct KvCache<B: Backend> {
-    /// Per layer: `(keys, values)`, each `[num_blocks, block_size, kv_heads, head_dim]`
-    /// (Compute).
+    /// Per layer: `(keys, values)`, each `[num_blocks + 1, block_size, kv_heads,
+    /// head_dim]` (Compute): block `num_blocks` takes the padding tokens of graphed
+    /// steps (see [`Transformer::forward_cached`]).
     layers: Vec<(B::Buf, B::Buf)>,
     /// Activations of the last call, reused while the number of new tokens stays the
     /// same (every decoding step of a steady batch).
@@ -25,7 +26,8 @@ pub struct KvCache<B: Backend> {
     pub block_size: usize,
 }
 
-/// Per-call buffers of [`Transformer::forward_cached`] for `T` new tokens.
+/// Per-call buffers of [`Transformer::forward_cached`] for `T` new tokens. They keep
+/// their addresses from step to step, as a graphed step needs.
 struct DecodeScratch<Buf> {
     /// Rows these buffers hold.
     tokens: usize,
@@ -33,6 +35,81 @@ struct DecodeScratch<Buf> {
     x: Buf,
     /// One layer's internals, reused by every layer.
     layer: LayerActs<Buf>,
+    /// `[T]` token ids, sequences (rows of `block_tables`), positions and cache slots.
+    ids: Buf,
+    token_seq: Buf,
+    token_pos: Buf,
+    slots: Buf,
+    /// `[rows, max_blocks]` block tables, reallocated when their size changes.
+    block_tables: Buf,
+}
+
+/// Most tokens of a step that runs as a graph: beyond this, a step's kernels are long
+/// enough that launching them costs little.
+const GRAPH_MAX_TOKENS: usize = 512;
+
+/// The token count a graphed step of `t` tokens is padded to: few distinct counts, so
+/// that a batch that shrinks as its samples finish reuses a handful of graphs.
+fn graph_tokens(t: usize) -> usize {
+    if t <= 16 {
+        t.next_power_of_two()
+    } else {
+        t.next_multiple_of(16)
+    }
+}
+
+/// Block-table columns of a graphed step: a multiple of 32, so that the tables keep
+/// their shape (and the step its graph) while sequences grow by a block.
+const GRAPH_BLOCK_COLUMNS: usize = 32;
+
+/// The model input of one step as the device buffers hold it: `input`, padded for a
+/// graph to `tokens` tokens and `max_blocks` table columns. Padding tokens (id 0 at
+/// position 0) each get a table row of their own that lists only `pad_block`, whose
+/// first slot they write; no real token reads that block.
+struct StepInput {
+    tokens: Vec<u32>,
+    token_seq: Vec<u32>,
+    token_pos: Vec<u32>,
+    slots: Vec<u32>,
+    block_tables: Vec<u32>,
+    max_blocks: usize,
+}
+
+impl StepInput {
+    fn new(input: &CachedInput, tokens: usize, pad_block: u32, block_size: usize) -> Self {
+        let t = input.tokens.len();
+        if tokens == t {
+            return Self {
+                tokens: input.tokens.clone(),
+                token_seq: input.token_seq.clone(),
+                token_pos: input.token_pos.clone(),
+                slots: input.slots.clone(),
+                block_tables: input.block_tables.clone(),
+                max_blocks: input.max_blocks,
+            };
+        }
+        let pad = tokens - t;
+        let n_seqs = input.block_tables.len() / input.max_blocks;
+        let max_blocks = input.max_blocks.next_multiple_of(GRAPH_BLOCK_COLUMNS);
+        let mut block_tables = vec![pad_block; (n_seqs + pad) * max_blocks];
+        for (row, table) in input.block_tables.chunks(input.max_blocks).enumerate() {
+            block_tables[row * max_blocks..][..input.max_blocks].copy_from_slice(table);
+        }
+        let cat = |real: &[u32], padding: &mut dyn Iterator<Item = u32>| {
+            real.iter().copied().chain(padding).collect::<Vec<u32>>()
+        };
+        Self {
+            tokens: cat(&input.tokens, &mut std::iter::repeat_n(0, pad)),
+            token_seq: cat(&input.token_seq, &mut (n_seqs as u32..).take(pad)),
+            token_pos: cat(&input.token_pos, &mut std::iter::repeat_n(0, pad)),
+            slots: cat(
+                &input.slots,
+                &mut std::iter::repeat_n(pad_block * block_size as u32, pad),
+            ),
+            block_tables,
+            max_blocks,
+        }
+    }
 }
 
 /// The new tokens of one [`Transformer::forward_cached`] call.
@@ -214,7 +291,8 @@ impl<B: Backend> Transformer<B> {
                 "kv cache: num_blocks ({num_blocks}) and block_size ({block_size}) must be positive"
             )));
         }
-        let len = num_blocks * block_size * self.config.kv_dim();
+        // One block more than asked for: the padding tokens' (see `StepInput`).
+        let len = (num_blocks + 1) * block_size * self.config.kv_dim();
         let layers = (0..self.config.num_hidden_layers)
             .map(|_| {
                 Ok((
@@ -244,59 +322,112 @@ impl<B: Backend> Transformer<B> {
     /// cache at `slots`, attends over each sequence's cached positions `0..=pos`, and
     /// returns the Compute logits `[logit_rows.len(), vocab]` of the requested rows
     /// (unscaled: temperature is the sampler's business).
+    ///
+    /// A step of decodes alone (no run of two or more tokens of one sequence) repeats
+    /// from step to step with new data: on a backend that captures graphs, its layers run
+    /// as one ([`Backend::graphed`]), padded to a few token counts so that a batch whose
+    /// samples finish one by one reuses the same graphs.
     pub fn forward_cached(&self, cache: &mut KvCache<B>, input: &CachedInput) -> Result<B::Buf> {
+        let graphs = self.backend.captures_graphs();
+        self.forward_step(cache, input, graphs)
+    }
+
+    /// [`Self::forward_cached`], with decode steps graphed (and padded) when `graphs`.
+    fn forward_step(
+        &self,
+        cache: &mut KvCache<B>,
+        input: &CachedInput,
+        graphs: bool,
+    ) -> Result<B::Buf> {
         let c = &self.config;
         input.validate(c.vocab_size, cache.num_blocks, cache.block_size)?;
         let b = &*self.backend;
         let (t, h, vocab) = (input.tokens.len(), c.hidden_size, c.vocab_size);
         let w = self.weights();
 
-        let ids = b.upload_index(&input.tokens)?;
-        let token_seq = b.upload_index(&input.token_seq)?;
-        let token_pos = b.upload_index(&input.token_pos)?;
-        let slots = b.upload_index(&input.slots)?;
-        let block_tables = b.upload_index(&input.block_tables)?;
         let max_context = input.token_pos.iter().max().map_or(0, |&p| p as usize + 1);
         let runs = input.query_runs();
         let shared = input.shared_keys(&runs, cache.block_size);
+        let graphed = graphs && runs.is_empty() && t <= GRAPH_MAX_TOKENS;
+        let padded = if graphed { graph_tokens(t) } else { t };
+        let step = StepInput::new(input, padded, cache.num_blocks as u32, cache.block_size);
 
         let mut scratch = match cache.scratch.take() {
-            Some(s) if s.tokens == t => s,
+            Some(s) if s.tokens == padded => s,
             _ => DecodeScratch {
-                tokens: t,
-                x: b.zeros(t * h, BufKind::Compute)?,
-                layer: LayerActs::new(&mut crate::transformer::zeros_on(b), c, t)?,
+                tokens: padded,
+                x: b.zeros(padded * h, BufKind::Compute)?,
+                layer: LayerActs {
+                    // A graph cannot allocate LoRA's low-rank product each call.
+                    low_rank: self
+                        .lora_rank()
+                        .map(|r| b.zeros(padded * r, BufKind::Compute))
+                        .transpose()?,
+                    ..LayerActs::new(&mut crate::transformer::zeros_on(b), c, padded)?
+                },
+                ids: b.zeros(padded, BufKind::Index)?,
+                token_seq: b.zeros(padded, BufKind::Index)?,
+                token_pos: b.zeros(padded, BufKind::Index)?,
+                slots: b.zeros(padded, BufKind::Index)?,
+                block_tables: b.zeros(step.block_tables.len(), BufKind::Index)?,
             },
         };
-        let DecodeScratch { x, layer: acts, .. } = &mut scratch;
-        b.embedding_forward(x, &w.embed, &ids, h)?;
-        for (l, (wl, (k_cache, v_cache))) in
-            w.layers.iter().zip(cache.layers.iter_mut()).enumerate()
-        {
-            let attend = Attend::Paged {
-                slots: &slots,
-                layout: PagedLayout {
-                    block_tables: &block_tables,
-                    max_blocks: input.max_blocks,
-                    block_size: cache.block_size,
-                    token_seq: &token_seq,
-                    token_pos: &token_pos,
-                    max_context,
-                    runs: &runs,
-                    shared: &shared,
-                },
-                k_cache,
-                v_cache,
-            };
-            self.layer_forward(l, wl, Residual::InPlace(x), acts, &token_pos, attend)?;
+        if b.len(&scratch.block_tables) != step.block_tables.len() {
+            scratch.block_tables = b.zeros(step.block_tables.len(), BufKind::Index)?;
         }
+        b.write_index(&mut scratch.ids, &step.tokens)?;
+        b.write_index(&mut scratch.token_seq, &step.token_seq)?;
+        b.write_index(&mut scratch.token_pos, &step.token_pos)?;
+        b.write_index(&mut scratch.slots, &step.slots)?;
+        b.write_index(&mut scratch.block_tables, &step.block_tables)?;
+
+        let block_size = cache.block_size;
+        let layers = &mut cache.layers;
+        let DecodeScratch {
+            x,
+            layer: acts,
+            ids,
+            token_seq,
+            token_pos,
+            slots,
+            block_tables,
+            ..
+        } = &mut scratch;
+        let mut run_layers = || -> Result<()> {
+            b.embedding_forward(x, &w.embed, ids, h)?;
+            for (l, (wl, (k_cache, v_cache))) in w.layers.iter().zip(layers.iter_mut()).enumerate()
+            {
+                let attend = Attend::Paged {
+                    slots,
+                    layout: PagedLayout {
+                        block_tables,
+                        max_blocks: step.max_blocks,
+                        block_size,
+                        token_seq,
+                        token_pos,
+                        max_context,
+                        runs: &runs,
+                        shared: &shared,
+                    },
+                    k_cache,
+                    v_cache,
+                };
+                self.layer_forward(l, wl, Residual::InPlace(&mut *x), acts, token_pos, attend)?;
+            }
+            Ok(())
+        };
+        if graphed {
+            b.graphed(&mut run_layers)?;
+        } else {
+            run_layers()?;
+        }
+        let x = &scratch.x;
 
         // Only the requested rows go through the final norm and the lm-head.
         let r = input.logit_rows.len();
         let rows = b.upload_index(&input.logit_rows)?;
         let mut last = b.zeros(r * h, BufKind::Compute)?;
         b.gather_rows(&mut last, x, &rows, h)?;
-        cache.scratch = Some(scratch);
         let mut normed = b.zeros(r * h, BufKind::Compute)?;
         let mut rstd = b.zeros(r, BufKind::Full)?;
         b.rmsnorm_forward(
@@ -318,6 +449,7 @@ impl<B: Backend> Transformer<B> {
         };
         b.matmul(&mut logits, &normed, w.lm_head(), dims, false)?;
         self.adapt_logits(&mut logits, &normed, r)?;
+        cache.scratch = Some(scratch);
         Ok(logits)
     }
 }
@@ -325,6 +457,93 @@ impl<B: Backend> Transformer<B> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Graphed decode steps are padded to a few token counts and table widths; the real
+    /// tokens' logits must not change, step after step (the padding tokens write only
+    /// their own block).
+    #[test]
+    fn padded_decode_steps_give_the_unpadded_logits() {
+        use crate::config::{Architecture, ModelConfig};
+        use crate::weights::{tensor_specs, HostTensor};
+        use floe_backend::cpu::CpuBackend;
+
+        let config = ModelConfig::test_shape(Architecture::Qwen3);
+        let mut state = 0x9e37_79b9_7f4a_7c15u64;
+        let mut uniform = move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state >> 11) as f64 / (1u64 << 53) as f64 - 0.5
+        };
+        let weights: std::collections::BTreeMap<String, HostTensor> = tensor_specs(&config)
+            .into_iter()
+            .map(|(name, shape)| {
+                let n = shape.iter().product();
+                let norm = name.ends_with("norm.weight");
+                let data = (0..n)
+                    .map(|_| {
+                        (if norm {
+                            1.0 + 0.3 * uniform()
+                        } else {
+                            0.4 * uniform()
+                        }) as f32
+                    })
+                    .collect();
+                (name, HostTensor { shape, data })
+            })
+            .collect();
+        let backend = std::sync::Arc::new(CpuBackend::<f64>::new());
+        let m = Transformer::from_host_weights(backend.clone(), config.clone(), &weights).unwrap();
+        let vocab = config.vocab_size as u32;
+        const BLOCK: usize = 4;
+        // Three sequences of different lengths; the first two share their first block.
+        let tables: Vec<Vec<u32>> = vec![vec![0, 1, 2, 3], vec![0, 4, 5, 6], vec![7, 8, 9, 10]];
+        let mut caches = [
+            m.new_kv_cache(12, BLOCK).unwrap(),
+            m.new_kv_cache(12, BLOCK).unwrap(),
+        ];
+        let input_for = |seqs: &[(usize, usize)], token: u32| {
+            let mut input = CachedInput {
+                max_blocks: 4,
+                ..CachedInput::default()
+            };
+            for (row, &(s, pos)) in seqs.iter().enumerate() {
+                input.block_tables.extend(&tables[s]);
+                input
+                    .tokens
+                    .push((token + pos as u32 * 7 + s as u32) % vocab);
+                input.token_seq.push(row as u32);
+                input.token_pos.push(pos as u32);
+                input
+                    .slots
+                    .push(tables[s][pos / BLOCK] * BLOCK as u32 + (pos % BLOCK) as u32);
+                input.logit_rows.push(row as u32);
+            }
+            input
+        };
+        // One token per sequence per step; sequence 2 finishes early, so the batch of
+        // three (padded to four) shrinks to two.
+        for step in 0..9usize {
+            let seqs: Vec<(usize, usize)> = (0..3)
+                .filter(|&s| s != 2 || step < 6)
+                .map(|s| (s, step))
+                .collect();
+            let input = input_for(&seqs, 3);
+            let plain = m.forward_step(&mut caches[0], &input, false).unwrap();
+            let padded = m.forward_step(&mut caches[1], &input, true).unwrap();
+            let rows = caches[1].scratch.as_ref().unwrap().tokens;
+            assert_eq!(rows, seqs.len().next_power_of_two());
+            let (plain, padded) = (
+                backend.download_f64(&plain).unwrap(),
+                backend.download_f64(&padded).unwrap(),
+            );
+            assert_eq!(plain.len(), seqs.len() * config.vocab_size);
+            assert_eq!(plain.len(), padded.len());
+            for (i, (a, b)) in plain.iter().zip(&padded).enumerate() {
+                assert!((a - b).abs() < 1e-12, "step {step} logit {i}: {a} vs {b}");
+            }
+        }
+    }
 
     #[test]
     fn query_runs_are_the_chunks_that_continue_one_sequence() {

@@ -613,7 +613,8 @@ impl<B: Backend> Transformer<B> {
         set.unembed.as_ref()
     }
 
-    /// `y += s·(x·Aᵀ)·Bᵀ` for `x: [rows, n_in]`, `y: [rows, n_out]`.
+    /// `y += s·(x·Aᵀ)·Bᵀ` for `x: [rows, n_in]`, `y: [rows, n_out]`; `x·Aᵀ` goes to
+    /// `low_rank` (`[rows, rank]`) when given, else to a fresh buffer.
     fn lora_forward(
         &self,
         y: &mut B::Buf,
@@ -621,18 +622,29 @@ impl<B: Backend> Transformer<B> {
         adapter: &Adapter<B::Buf>,
         rows: usize,
         (n_out, n_in): (usize, usize),
+        low_rank: Option<&mut B::Buf>,
     ) -> Result<()> {
         let b = &*self.backend;
         let lora = self.lora.as_ref().expect("adapters exist on a LoRA model");
         let r = lora.config.rank;
-        let mut u = b.zeros(rows * r, BufKind::Compute)?;
-        self.linear(&mut u, x, &adapter.a, rows, r, n_in, false)?;
-        b.scale(&mut u, lora.config.scale())?;
-        self.linear(y, &u, &adapter.b, rows, n_out, r, true)
+        let mut fresh = None;
+        let u = match low_rank {
+            Some(u) => u,
+            None => fresh.insert(b.zeros(rows * r, BufKind::Compute)?),
+        };
+        self.linear(u, x, &adapter.a, rows, r, n_in, false)?;
+        b.scale(u, lora.config.scale())?;
+        self.linear(y, u, &adapter.b, rows, n_out, r, true)
+    }
+
+    /// The LoRA rank, on a LoRA model.
+    pub(crate) fn lora_rank(&self) -> Option<usize> {
+        self.lora.as_ref().map(|l| l.config.rank)
     }
 
     /// Adds projection `p`'s low-rank term to its output `y` when `adapters` (one
-    /// layer's) adapt it; a no-op otherwise.
+    /// layer's) adapt it, through `low_rank` when given (see [`Self::lora_forward`]); a
+    /// no-op otherwise.
     pub(crate) fn adapt(
         &self,
         y: &mut B::Buf,
@@ -640,9 +652,10 @@ impl<B: Backend> Transformer<B> {
         adapters: Option<&[Option<Adapter<B::Buf>>]>,
         p: Proj,
         rows: usize,
+        low_rank: Option<&mut B::Buf>,
     ) -> Result<()> {
         match adapters.and_then(|a| a[p as usize].as_ref()) {
-            Some(adapter) => self.lora_forward(y, x, adapter, rows, p.dims(&self.config)),
+            Some(adapter) => self.lora_forward(y, x, adapter, rows, p.dims(&self.config), low_rank),
             None => Ok(()),
         }
     }
@@ -658,7 +671,7 @@ impl<B: Backend> Transformer<B> {
         match self.unembed_adapter() {
             Some(adapter) => {
                 let dims = (self.config.vocab_size, self.config.hidden_size);
-                self.lora_forward(logits, hidden, adapter, rows, dims)
+                self.lora_forward(logits, hidden, adapter, rows, dims, None)
             }
             None => Ok(()),
         }

@@ -254,6 +254,9 @@ pub(crate) struct LayerActs<Buf> {
     pub up: Buf,
     /// `[T, intermediate]` `silu(gate) · up`.
     pub act: Buf,
+    /// `[T, rank]` a LoRA adapter's `x·Aᵀ`, kept by decode steps so that it stays at
+    /// one address (a graph's); `None`: each adapted projection allocates its own.
+    pub low_rank: Option<Buf>,
 }
 
 /// Allocates a zeroed buffer of `len` elements and a kind: the backend's `zeros`, or a
@@ -292,6 +295,7 @@ impl<Buf> LayerActs<Buf> {
             gate: compute(t * i)?,
             up: compute(t * i)?,
             act: compute(t * i)?,
+            low_rank: None,
         })
     }
 }
@@ -973,18 +977,18 @@ impl<B: Backend> Transformer<B> {
         // Projections land in q_raw/k_raw when a per-head norm follows, else in place.
         let q_proj = a.q_raw.as_mut().unwrap_or(&mut a.q);
         self.linear(q_proj, &a.ln1, &w.wq, t, q, h, false)?;
-        self.adapt(q_proj, &a.ln1, adapters, Proj::Q, t)?;
+        self.adapt(q_proj, &a.ln1, adapters, Proj::Q, t, a.low_rank.as_mut())?;
         if let Some(bias) = &w.bq {
             b.add_bias(q_proj, bias, t, q)?;
         }
         let k_proj = a.k_raw.as_mut().unwrap_or(&mut a.k);
         self.linear(k_proj, &a.ln1, &w.wk, t, kv, h, false)?;
-        self.adapt(k_proj, &a.ln1, adapters, Proj::K, t)?;
+        self.adapt(k_proj, &a.ln1, adapters, Proj::K, t, a.low_rank.as_mut())?;
         if let Some(bias) = &w.bk {
             b.add_bias(k_proj, bias, t, kv)?;
         }
         self.linear(&mut a.v, &a.ln1, &w.wv, t, kv, h, false)?;
-        self.adapt(&mut a.v, &a.ln1, adapters, Proj::V, t)?;
+        self.adapt(&mut a.v, &a.ln1, adapters, Proj::V, t, a.low_rank.as_mut())?;
         if let Some(bias) = &w.bv {
             b.add_bias(&mut a.v, bias, t, kv)?;
         }
@@ -1055,12 +1059,26 @@ impl<B: Backend> Transformer<B> {
             Residual::InPlace(x) => (x, None),
         };
         self.linear(resid, &a.att, &w.wo, t, h, q, true)?;
-        self.adapt(resid, &a.att, adapters, Proj::O, t)?;
+        self.adapt(resid, &a.att, adapters, Proj::O, t, a.low_rank.as_mut())?;
         b.rmsnorm_forward(&mut a.ln2, &mut a.ln2_rstd, resid, &w.post_norm, t, h, eps)?;
         self.linear(&mut a.gate, &a.ln2, &w.w_gate, t, inter, h, false)?;
-        self.adapt(&mut a.gate, &a.ln2, adapters, Proj::Gate, t)?;
+        self.adapt(
+            &mut a.gate,
+            &a.ln2,
+            adapters,
+            Proj::Gate,
+            t,
+            a.low_rank.as_mut(),
+        )?;
         self.linear(&mut a.up, &a.ln2, &w.w_up, t, inter, h, false)?;
-        self.adapt(&mut a.up, &a.ln2, adapters, Proj::Up, t)?;
+        self.adapt(
+            &mut a.up,
+            &a.ln2,
+            adapters,
+            Proj::Up,
+            t,
+            a.low_rank.as_mut(),
+        )?;
         b.swiglu_forward(&mut a.act, &a.gate, &a.up)?;
         let out = match out {
             Some(out) => {
@@ -1070,7 +1088,7 @@ impl<B: Backend> Transformer<B> {
             None => resid,
         };
         self.linear(out, &a.act, &w.w_down, t, h, inter, true)?;
-        self.adapt(out, &a.act, adapters, Proj::Down, t)?;
+        self.adapt(out, &a.act, adapters, Proj::Down, t, a.low_rank.as_mut())?;
         Ok(())
     }
 

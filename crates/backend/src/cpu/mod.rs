@@ -372,6 +372,25 @@ impl<T: CpuFloat> Backend for CpuBackend<T> {
         Ok(CpuBuf::Index(data.to_vec()))
     }
 
+    fn write_index(&self, dst: &mut CpuBuf<T>, data: &[u32]) -> Result<()> {
+        match dst {
+            CpuBuf::Index(v) if v.len() == data.len() => {
+                v.copy_from_slice(data);
+                Ok(())
+            }
+            CpuBuf::Index(v) => Err(Error::Shape {
+                op: "write_index",
+                msg: format!("dst has {} elements, data {}", v.len(), data.len()),
+            }),
+            _ => Err(Error::Kind {
+                op: "write_index",
+                arg: "dst",
+                expected: BufKind::Index,
+                got: float_kind(dst),
+            }),
+        }
+    }
+
     fn download(&self, buf: &CpuBuf<T>) -> Result<Vec<f32>> {
         Ok(floats("download", "buf", buf)?
             .iter()

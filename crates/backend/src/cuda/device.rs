@@ -3,7 +3,7 @@
 
 use std::borrow::Cow;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::cublas::{result as cublas_result, sys as cublas_sys, CudaBlas};
@@ -204,6 +204,8 @@ pub struct CudaBackend {
     device_name: String,
     modules: Mutex<HashMap<Module, Arc<CudaModule>>>,
     functions: Mutex<HashMap<&'static str, CudaFunction>>,
+    /// The dynamic shared memory each kernel has opted in to, by name.
+    opted_in_shared: Mutex<HashMap<&'static str, u32>>,
     /// The cuBLASLt path of [`CudaBackend::gemm`], when `FLOE_GEMM` asks for it.
     blas_lt: Option<super::gemm_lt::LtGemm>,
     /// cuBLAS's (and cuBLASLt's) workspace; kept alive as long as the handles use it.
@@ -224,6 +226,13 @@ pub struct CudaBackend {
     /// Whether paged attention reads a group's shared keys once for all its tokens
     /// (cascade); `FLOE_CASCADE=0` turns it off, to time what it gains.
     pub(crate) cascade: bool,
+    /// Whether [`crate::Backend::graphed`] regions become CUDA graphs;
+    /// `FLOE_CUDA_GRAPHS=0` runs them eagerly, to time what graphs gain.
+    pub(crate) graphs_enabled: bool,
+    /// The [`super::graph::Pass`] the ops are in (a `u8`, read by every launch).
+    pub(crate) graph_pass: AtomicU8,
+    /// Captured graphs and the state of the running pass.
+    pub(crate) graphs: Mutex<super::graph::Graphs>,
 }
 
 /// The uploaded attention work lists, held by one op (see [`CudaBackend::uploaded_lists`]).
@@ -238,6 +247,9 @@ impl UploadedLists<'_> {
     /// before the next list of that name differs (the old buffer is then freed in stream
     /// order, after them).
     pub(crate) fn upload(&mut self, name: &'static str, data: &[u32]) -> Result<Arg> {
+        if self.backend.pass() != super::graph::Pass::Eager {
+            return self.backend.graph_list(name, data);
+        }
         if let Some((held, buf)) = self.held.get(name) {
             if held[..] == *data {
                 return Ok(self.backend.p(buf));
@@ -407,6 +419,7 @@ impl CudaBackend {
             memory_bandwidth,
             modules: Mutex::new(HashMap::new()),
             functions: Mutex::new(HashMap::new()),
+            opted_in_shared: Mutex::new(HashMap::new()),
             _blas_workspace: workspace,
             profiling: AtomicBool::new(false),
             spans: Mutex::new(Vec::new()),
@@ -414,7 +427,16 @@ impl CudaBackend {
             paged_partials: Mutex::new(None),
             uploaded_lists: Mutex::new(HashMap::new()),
             cascade: std::env::var("FLOE_CASCADE").map_or(true, |v| v != "0"),
+            graphs_enabled: std::env::var("FLOE_CUDA_GRAPHS").map_or(true, |v| v != "0"),
+            graph_pass: AtomicU8::new(super::graph::Pass::Eager as u8),
+            graphs: Mutex::new(super::graph::Graphs::default()),
         })
+    }
+
+    /// Captures [`crate::Backend::graphed`] regions as graphs (`on`, the default unless
+    /// `FLOE_CUDA_GRAPHS=0`) or runs them eagerly.
+    pub fn set_graphs(&mut self, on: bool) {
+        self.graphs_enabled = on;
     }
 
     /// Runs `f` with the staging buffers, making them on first use.
@@ -460,6 +482,12 @@ impl CudaBackend {
             .collect();
         times.sort_by(|a, b| b.total_ms.total_cmp(&a.total_ms));
         Ok(times)
+    }
+
+    /// Whether launches are being timed (graphs are off meanwhile: the timing events
+    /// need eager launches).
+    pub(crate) fn profiling(&self) -> bool {
+        self.profiling.load(Ordering::Relaxed)
     }
 
     /// Runs `enqueue` between two timing events while profiling; otherwise just runs it.
@@ -560,13 +588,30 @@ impl CudaBackend {
         }
         let f = self.function(module, kernel)?;
         if cfg.shared_mem_bytes > STATIC_SHARED_LIMIT {
-            // Blocks get more than 48 KiB of shared memory only when the function opts in.
-            f.set_attribute(
-                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                cfg.shared_mem_bytes as i32,
-            )?;
+            // Blocks get more than 48 KiB of shared memory only when the function opts in;
+            // once per size, so that a graph capture (after the check pass) never asks.
+            let mut opted = self.opted_in_shared.lock().expect("poisoned");
+            if opted
+                .get(kernel)
+                .is_none_or(|&bytes| bytes < cfg.shared_mem_bytes)
+            {
+                f.set_attribute(
+                    cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    cfg.shared_mem_bytes as i32,
+                )?;
+                opted.insert(kernel, cfg.shared_mem_bytes);
+            }
         }
         let slots: Vec<u64> = args.iter().map(|a| a.slot()).collect();
+        if !self.graph_launch(
+            kernel,
+            cfg.grid_dim,
+            cfg.block_dim,
+            cfg.shared_mem_bytes,
+            &slots,
+        ) {
+            return Ok(());
+        }
         let mut builder = self.stream.launch_builder(&f);
         for slot in &slots {
             builder.arg(slot);
@@ -599,6 +644,11 @@ impl CudaBackend {
 
     /// A buffer of `len` elements of `kind`, contents unspecified.
     pub(crate) fn alloc(&self, len: usize, kind: BufKind) -> Result<CudaBuf> {
+        if self.pass() == super::graph::Pass::Record {
+            return Err(Error::Cuda(
+                "an allocation inside a CUDA graph capture".into(),
+            ));
+        }
         // cuMemAlloc rejects zero bytes; an empty buffer still owns one element.
         let n = len.max(1);
         let free = self
@@ -687,7 +737,7 @@ impl CudaBackend {
             trans_a,
             trans_b,
         } = dims;
-        if m == 0 || n == 0 {
+        if m == 0 || n == 0 || !self.graph_gemm([c, a, b], dims, alpha, beta) {
             return Ok(());
         }
         let ty = |kind: BufKind| match kind {

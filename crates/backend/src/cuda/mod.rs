@@ -12,6 +12,9 @@
 //!   (heuristic or timed), selected by `FLOE_GEMM`.
 //! - `ops.rs`: the [`crate::Backend`] implementation: host-side checks (the shapes by
 //!   [`crate::contract`]), then launches.
+//! - `graph.rs`: CUDA graphs of [`crate::Backend::graphed`] regions: a check pass signs
+//!   the region's launches, a kept graph of the same signature replays, else one is
+//!   captured.
 //! - `nccl.rs`: [`NcclCollective`], the [`crate::Collective`] ops over NCCL on the
 //!   backend's stream, and the watchdog thread that aborts a communicator whose peer
 //!   died or hung (its decisions are `crate::collective_watchdog`'s).
@@ -26,6 +29,8 @@ mod attention;
 mod device;
 #[cfg(feature = "cuda")]
 mod gemm_lt;
+#[cfg(feature = "cuda")]
+mod graph;
 #[cfg(feature = "cuda")]
 mod nccl;
 #[cfg(feature = "cuda")]
@@ -47,6 +52,17 @@ pub fn element_bytes(kind: crate::BufKind) -> usize {
         crate::BufKind::Compute => 2,
         crate::BufKind::Full | crate::BufKind::Index => 4,
     }
+}
+
+/// How often each path ran, for benchmarks (`floe bench generate`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GraphCounts {
+    /// Graphs captured.
+    pub captured: usize,
+    /// Replays of a kept graph.
+    pub replayed: usize,
+    /// Regions that could not be graphed and ran eagerly.
+    pub eager: usize,
 }
 
 /// GPU time of one kernel (or one GEMM shape) over a profiled stretch.

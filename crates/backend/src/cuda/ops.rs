@@ -102,6 +102,7 @@ const WARP_ROW_THREADS: u32 = 256;
 
 impl CudaBackend {
     pub(crate) fn upload_index_to(&self, data: &[u32]) -> Result<CudaBuf> {
+        self.eager_only("an upload")?;
         let mut buf = self.alloc(data.len(), BufKind::Index)?;
         if let Storage::U32(s) = &mut buf.storage {
             if !data.is_empty() {
@@ -222,6 +223,7 @@ impl Backend for CudaBackend {
     }
 
     fn synchronize(&self) -> Result<()> {
+        self.eager_only("a synchronize")?;
         self.stream.synchronize()?;
         Ok(())
     }
@@ -239,8 +241,20 @@ impl Backend for CudaBackend {
     }
 
     fn wait_for(&self, other: &Self) -> Result<()> {
+        self.eager_only("a wait")?;
         self.stream.join(&other.stream)?;
         Ok(())
+    }
+
+    fn captures_graphs(&self) -> bool {
+        self.graphs_enabled
+    }
+
+    fn graphed<E: From<Error> + std::fmt::Display>(
+        &self,
+        ops: &mut dyn FnMut() -> std::result::Result<(), E>,
+    ) -> std::result::Result<(), E> {
+        self.run_graphed(ops)
     }
 
     // ---- buffers ---------------------------------------------------------------------
@@ -264,6 +278,7 @@ impl Backend for CudaBackend {
     }
 
     fn upload(&self, data: &[f32], kind: BufKind) -> Result<CudaBuf> {
+        self.eager_only("an upload")?;
         let mut buf = self.alloc(data.len(), kind)?;
         if data.is_empty() {
             return Ok(buf);
@@ -294,7 +309,27 @@ impl Backend for CudaBackend {
         self.upload_index_to(data)
     }
 
+    fn write_index(&self, dst: &mut CudaBuf, data: &[u32]) -> Result<()> {
+        const OP: &str = "write_index";
+        self.eager_only("an upload")?;
+        need(OP, "dst", dst, BufKind::Index)?;
+        if dst.len != data.len() {
+            return Err(Error::Shape {
+                op: OP,
+                msg: format!("dst has {} elements, data {}", dst.len, data.len()),
+            });
+        }
+        if let Storage::U32(s) = &mut dst.storage {
+            if !data.is_empty() {
+                self.stream
+                    .memcpy_htod(data, &mut s.slice_mut(..data.len()))?;
+            }
+        }
+        Ok(())
+    }
+
     fn download(&self, buf: &CudaBuf) -> Result<Vec<f32>> {
+        self.eager_only("a download")?;
         let n = buf.len;
         let out = match &buf.storage {
             Storage::Bf16(s) => {
@@ -328,6 +363,7 @@ impl Backend for CudaBackend {
     }
 
     fn download_index(&self, buf: &CudaBuf) -> Result<Vec<u32>> {
+        self.eager_only("a download")?;
         need("download_index", "buf", buf, BufKind::Index)?;
         let mut v = vec![0u32; buf.len];
         if let Storage::U32(s) = &buf.storage {
@@ -341,6 +377,7 @@ impl Backend for CudaBackend {
 
     fn copy(&self, dst: &mut CudaBuf, src: &CudaBuf) -> Result<()> {
         const OP: &str = "copy";
+        self.eager_only(OP)?;
         contract::copy(dst.len, src.len)?;
         let n = src.len;
         if n == 0 {
@@ -386,6 +423,7 @@ impl Backend for CudaBackend {
         src_offset: usize,
         len: usize,
     ) -> Result<()> {
+        self.eager_only("copy_range")?;
         need("copy_range", "src", src, dst.kind)?;
         contract::copy_range(dst.len, dst_offset, src.len, src_offset, len)?;
         if len == 0 {
@@ -408,6 +446,7 @@ impl Backend for CudaBackend {
     }
 
     fn fill_zero(&self, buf: &mut CudaBuf) -> Result<()> {
+        self.eager_only("fill_zero")?;
         match &mut buf.storage {
             Storage::Bf16(s) => self.stream.memset_zeros(s)?,
             Storage::F32(s) => self.stream.memset_zeros(s)?,
@@ -460,6 +499,7 @@ impl Backend for CudaBackend {
     }
 
     fn sum_squares(&self, x: &CudaBuf) -> Result<f64> {
+        self.eager_only("sum_squares")?;
         let dt = float("sum_squares", "x", x)?;
         let grid = self.grid_1d(x.len, 256);
         let blocks = grid.grid_dim.0 as usize;
@@ -1144,8 +1184,9 @@ impl Backend for CudaBackend {
         let (acc, ml) = if with_partials {
             let need = rows * slots * (head_dim + 2);
             if partials.as_ref().is_none_or(|b| b.len < need) {
-                // Freed in stream order, after the kernels that still read it.
-                *partials = None;
+                // The old buffer is freed in stream order, after the kernels that still
+                // read it; allocated first, so that a capture (where allocations fail)
+                // frees nothing.
                 *partials = Some(self.alloc(need, BufKind::Full)?);
             }
             let base = self.ptr(partials.as_ref().expect("allocated above"));
@@ -1643,6 +1684,7 @@ impl Backend for CudaBackend {
         hp: AdamW,
     ) -> Result<()> {
         const OP: &str = "adamw_host";
+        self.eager_only(OP)?;
         need(OP, "grad", grad, BufKind::Full)?;
         float(OP, "param", param)?;
         contract::adamw_host(param.len, grad.len, master.len(), m.len(), v.len(), &hp)?;
@@ -1667,6 +1709,7 @@ impl Backend for CudaBackend {
 impl CudaBackend {
     /// Elements `start..start + len` of float `buf`, as f32.
     fn download_range(&self, buf: &CudaBuf, start: usize, len: usize) -> Result<Vec<f32>> {
+        self.eager_only("a download")?;
         let range = start..start + len;
         let out = match &buf.storage {
             Storage::Bf16(s) => {

@@ -41,6 +41,16 @@ impl CudaBackend {
     }
 
     /// Never called: no value of this type exists.
+    pub fn set_graphs(&mut self, _on: bool) {
+        match *self {}
+    }
+
+    /// Never called: no value of this type exists.
+    pub fn graph_counts(&self) -> super::GraphCounts {
+        match *self {}
+    }
+
+    /// Never called: no value of this type exists.
     pub fn finish_profile(&self) -> Result<Vec<super::KernelTime>> {
         match *self {}
     }
@@ -94,6 +104,10 @@ impl Backend for CudaBackend {
     }
 
     fn upload_index(&self, _data: &[u32]) -> Result<Self::Buf> {
+        match *self {}
+    }
+
+    fn write_index(&self, _dst: &mut CudaBuf, _data: &[u32]) -> Result<()> {
         match *self {}
     }
 

@@ -205,7 +205,8 @@ fn run_rank(
     outcome
 }
 
-/// [`bench`] on a GPU: its kernel profiler when asked, the roofline from its bandwidth.
+/// [`bench`] on a GPU: its kernel profiler when asked, its graph counts, the roofline
+/// from its bandwidth.
 fn bench_cuda(
     backend: Arc<CudaBackend>,
     args: &Args,
@@ -213,14 +214,14 @@ fn bench_cuda(
     host_dir: Option<PathBuf>,
     collective: Option<Arc<dyn Collective<CudaBackend>>>,
 ) -> anyhow::Result<()> {
-    let profiler = args.profile.then(|| Arc::clone(&backend));
+    let cuda = Some(Arc::clone(&backend));
     let bandwidth = backend.memory_bandwidth();
     bench(
         backend,
         args,
         config,
         host_dir,
-        profiler,
+        cuda,
         Some(bandwidth),
         collective,
     )
@@ -271,7 +272,7 @@ fn bench<B: Backend>(
     args: &Args,
     config: ModelConfig,
     dir: Option<PathBuf>,
-    profiler: Option<Arc<CudaBackend>>,
+    cuda: Option<Arc<CudaBackend>>,
     bandwidth: Option<f64>,
     collective: Option<Arc<dyn Collective<B>>>,
 ) -> anyhow::Result<()> {
@@ -355,7 +356,7 @@ fn bench<B: Backend>(
                     &mut policy,
                     args,
                     batch,
-                    profiler.as_deref(),
+                    cuda.as_deref(),
                     collective.as_deref(),
                 )?;
                 result["recomputed_layers"] = json!(recomputed_layers);
@@ -368,7 +369,7 @@ fn bench<B: Backend>(
                 bail!("generate needs --prompt and --new of at least 1");
             }
             for &batch in &batches {
-                let mut result = bench_generate(&model, args, batch, profiler.as_deref())?;
+                let mut result = bench_generate(&model, args, batch, cuda.as_deref())?;
                 if let Some(bandwidth) = bandwidth {
                     let shape = DecodeShape {
                         batch,
@@ -435,7 +436,7 @@ fn bench_train<B: Backend>(
     policy: &mut Policy<B>,
     args: &Args,
     batch: usize,
-    profiler: Option<&CudaBackend>,
+    cuda: Option<&CudaBackend>,
     collective: Option<&dyn Collective<B>>,
 ) -> anyhow::Result<Value> {
     let vocab = policy.model().config().vocab_size;
@@ -499,7 +500,7 @@ fn bench_train<B: Backend>(
         .map(|(free, total)| (total - free) as f64 / f64::from(1 << 30));
     let tok_s = (batch * args.seq) as f64 / step_s;
     let params = policy.model().config().num_parameters() as f64;
-    if let Some(profiler) = profiler {
+    if let Some(profiler) = cuda.filter(|_| args.profile) {
         let start = Instant::now();
         profiler.start_profile();
         step(policy)?;
@@ -533,7 +534,7 @@ fn bench_generate<B: Backend>(
     model: &Transformer<B>,
     args: &Args,
     batch: usize,
-    profiler: Option<&CudaBackend>,
+    cuda: Option<&CudaBackend>,
 ) -> anyhow::Result<Value> {
     let group = args.samples_per_prompt;
     if group == 0 || batch % group != 0 {
@@ -575,10 +576,20 @@ fn bench_generate<B: Backend>(
     sampler.generate(model, requests(args.new.min(8)))?;
     sampler.reset_stats();
     model.backend().synchronize()?;
+    let graphs_before = cuda.map(CudaBackend::graph_counts);
     let start = Instant::now();
     let generations = sampler.generate(model, requests(args.new))?;
     model.backend().synchronize()?;
     let seconds = start.elapsed().as_secs_f64();
+    // Decode steps captured as CUDA graphs, replayed, or run eagerly in the timed run.
+    let graphs = cuda.zip(graphs_before).map(|(cuda, before)| {
+        let after = cuda.graph_counts();
+        json!({
+            "captured": after.captured - before.captured,
+            "replayed": after.replayed - before.replayed,
+            "eager": after.eager - before.eager,
+        })
+    });
     let new_tokens: usize = generations.iter().map(|g| g.tokens.len()).sum();
     let stats = sampler.stats();
     let result = json!({
@@ -600,8 +611,9 @@ fn bench_generate<B: Backend>(
         "preemptions": stats.preemptions,
         "model_s": stats.model_time.as_secs_f64(),
         "enqueue_s": stats.enqueue_time.as_secs_f64(),
+        "graphs": graphs,
     });
-    if let Some(profiler) = profiler {
+    if let Some(profiler) = cuda.filter(|_| args.profile) {
         let start = Instant::now();
         profiler.start_profile();
         sampler.generate(model, requests(args.new))?;
