@@ -36,7 +36,7 @@ use std::sync::Arc;
 use floe_backend::{AdamW, Backend, BufKind, Collective};
 use floe_model::batch::{PackedBatch, TokenStats};
 use floe_model::lora::{self, ADAPTER_CONFIG_FILE};
-use floe_model::transformer::{ModelError, Transformer};
+use floe_model::transformer::{BaseStorage, ModelError, Transformer};
 use floe_model::weights::{self, HostTensor, SaveDType, TensorView};
 use floe_rl::optim::{clip_coef, should_skip_step};
 use serde::{Deserialize, Serialize};
@@ -819,7 +819,14 @@ impl<B: Backend> Policy<B> {
             return Ok(policy);
         };
         let (config, host) = weights::load_model_dir(dir.join(MODEL_DIR))?;
-        let mut model = Transformer::from_host_weights(backend, config, &host)?;
+        // The masters come from the shards: where Compute storage is narrower (bf16 on
+        // CUDA), the model never holds Full weights, which at 8B would be 33 GB a rank.
+        let storage = if backend.compute_is_full() {
+            BaseStorage::Trainable
+        } else {
+            BaseStorage::ComputeOnly
+        };
+        let mut model = Transformer::from_host_weights_stored(backend, config, &host, storage)?;
         drop(host);
         let sharded = ShardedOptimizer::load(&mut model, collective, placement, dir, sharding)?;
         Ok(Policy {

@@ -168,7 +168,7 @@ impl<B: Backend> ShardedOptimizer<B> {
         moments: &BTreeMap<String, (B::Buf, B::Buf)>,
     ) -> Result<Self> {
         let (names, lens) = layout(model)?;
-        let mut this = Self::empty(model, collective, placement, bucket_elements, &lens)?;
+        let mut this = Self::empty(model, collective, placement, bucket_elements, &lens, true)?;
         let rank = this.collective.rank();
         let backend = Arc::clone(&this.backend);
         let names = &names;
@@ -228,7 +228,14 @@ impl<B: Backend> ShardedOptimizer<B> {
     ) -> Result<Self> {
         let (_, lens) = layout(model)?;
         check_elements(dir, meta, &lens)?;
-        let mut this = Self::empty(model, collective, placement, meta.bucket_elements, &lens)?;
+        let mut this = Self::empty(
+            model,
+            collective,
+            placement,
+            meta.bucket_elements,
+            &lens,
+            false,
+        )?;
         for b in 0..this.buckets.len() {
             let shard_len = this.partitions[b].shard_len();
             let master = this.backend.zeros(shard_len, BufKind::Full)?;
@@ -306,12 +313,16 @@ impl<B: Backend> ShardedOptimizer<B> {
         Ok(true)
     }
 
+    /// No shards yet, buckets planned over `lens`. The shards' masters come from the
+    /// model's Full weights (`from_masters`) or from a checkpoint; in the second case the
+    /// model may hold its weights in Compute storage alone.
     fn empty(
         model: &mut Transformer<B>,
         collective: Arc<dyn Collective<B>>,
         placement: OptimizerPlacement,
         bucket_elements: usize,
         lens: &[usize],
+        from_masters: bool,
     ) -> Result<Self> {
         if model.lora_config().is_some() {
             return Err(Error::InvalidRequest(
@@ -323,14 +334,15 @@ impl<B: Backend> ShardedOptimizer<B> {
         let backend = Arc::clone(model.backend());
         let mut has_compute = false;
         model.visit_params(&mut |_, slot| {
-            if backend.kind(slot.param) != BufKind::Full {
+            let full = backend.kind(slot.param) == BufKind::Full;
+            if from_masters && !full {
                 return Err(ModelError::Input(
                     "sharding the optimizer: the model no longer holds its Full master \
                      weights (shard before moving the optimizer state)"
                         .into(),
                 ));
             }
-            has_compute |= slot.compute.is_some();
+            has_compute |= slot.compute.is_some() || !full;
             Ok(())
         })?;
         let buckets = plan_buckets(lens, bucket_elements);
