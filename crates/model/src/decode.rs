@@ -63,9 +63,9 @@ fn graph_tokens(t: usize) -> usize {
 const GRAPH_BLOCK_COLUMNS: usize = 32;
 
 /// The model input of one step as the device buffers hold it: `input`, padded for a
-/// graph to `tokens` tokens and `max_blocks` table columns. Padding tokens (id 0 at
-/// position 0) each get a table row of their own that lists only `pad_block`, whose
-/// first slot they write; no real token reads that block.
+/// graph to `tokens` tokens and a multiple of [`GRAPH_BLOCK_COLUMNS`] table columns.
+/// Padding tokens (id 0 at position 0) each get a table row of their own that lists
+/// only `pad_block`, whose first slot they write; no real token reads that block.
 struct StepInput {
     tokens: Vec<u32>,
     token_seq: Vec<u32>,
@@ -76,9 +76,9 @@ struct StepInput {
 }
 
 impl StepInput {
-    fn new(input: &CachedInput, tokens: usize, pad_block: u32, block_size: usize) -> Self {
+    fn new(input: &CachedInput, graphed: Option<usize>, pad_block: u32, block_size: usize) -> Self {
         let t = input.tokens.len();
-        if tokens == t {
+        let Some(tokens) = graphed else {
             return Self {
                 tokens: input.tokens.clone(),
                 token_seq: input.token_seq.clone(),
@@ -87,7 +87,7 @@ impl StepInput {
                 block_tables: input.block_tables.clone(),
                 max_blocks: input.max_blocks,
             };
-        }
+        };
         let pad = tokens - t;
         let n_seqs = input.block_tables.len() / input.max_blocks;
         let max_blocks = input.max_blocks.next_multiple_of(GRAPH_BLOCK_COLUMNS);
@@ -350,7 +350,12 @@ impl<B: Backend> Transformer<B> {
         let shared = input.shared_keys(&runs, cache.block_size);
         let graphed = graphs && runs.is_empty() && t <= GRAPH_MAX_TOKENS;
         let padded = if graphed { graph_tokens(t) } else { t };
-        let step = StepInput::new(input, padded, cache.num_blocks as u32, cache.block_size);
+        let step = StepInput::new(
+            input,
+            graphed.then_some(padded),
+            cache.num_blocks as u32,
+            cache.block_size,
+        );
 
         let mut scratch = match cache.scratch.take() {
             Some(s) if s.tokens == padded => s,
