@@ -3,11 +3,13 @@
 # with the new binary and a baseline binary side by side (same card, same call), then the
 # peers. Parts (PARTS, default all):
 #   tests   the CUDA test binaries present (TESTS, default cuda_ops cuda_transformer cuda
-#           cuda_collective); full output in $OUT/<name>.log
+#           cuda_decode cuda_collective); full output in $OUT/<name>.log
 #   kernels cuda_ops's timing table, new and (if present) base/cuda_ops, and torch's
 #           GEMMs at the same decode shapes (decode_gemm_torch.py)
 #   gen     `floe bench generate` at the 1.7B shape: batch 64,256 × 256+256 and batch 128 ×
 #           1024+1024, new and base
+#   graphs  decode CUDA graphs on and off (FLOE_CUDA_GRAPHS=0), same binary: batch 8,64,256
+#           × 256+256 and the GRPO shape, with each run's graph counts
 #   grpo    GRPO-shaped generation (8 prompts x 16 samples of a 4096-token prompt, 512
 #           new): new with cascade attention and with FLOE_CASCADE=0, and base
 #   train   `floe bench train` at the 1.7B shape, 8 × 2048: new and base with recompute,
@@ -36,7 +38,7 @@ cd "$(dirname "$0")"
 for z in floe.gz base/floe.gz; do [ -f "$z" ] && gunzip -f "$z"; done
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64 PYTHONUNBUFFERED=1 RUST_LOG=warn
 LIMIT=${LIMIT:-560}
-PARTS=${PARTS:-tests kernels gen grpo train serve peers long}
+PARTS=${PARTS:-tests kernels gen graphs grpo train serve peers long}
 B=${OUT:-.}/speed.log
 T0=$(date +%s)
 elapsed() { echo $(( $(date +%s) - T0 )); }
@@ -51,7 +53,7 @@ bins() { echo ./floe; [ -x base/floe ] && echo base/floe; }
 nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv | tee -a "$B"
 if part tests; then
   # Full output per binary in $OUT/<name>.log; the summary and any failure here.
-  for t in ${TESTS:-cuda_ops cuda_transformer cuda cuda_collective}; do
+  for t in ${TESTS:-cuda_ops cuda_transformer cuda cuda_decode cuda_collective}; do
     [ -x "$t" ] || continue
     echo "== $t (t=$(elapsed)s)" | tee -a "$B"
     timeout 150 ./"$t" --test-threads=1 --nocapture > "${OUT:-.}/$t.log" 2>&1
@@ -70,6 +72,16 @@ if part gen; then
     TAIL=8 run 100 "$f" bench generate --device cuda:0 --model 1.7B --random-init --batch 128 --prompt 1024 --new 1024
   done
   TAIL=45 run 100 ./floe bench generate --device cuda:0 --model 1.7B --random-init --batch 256 --prompt 256 --new 256 --profile
+fi
+if part graphs; then
+  for g in 1 0; do
+    for shape in "--batch 8,64,256 --prompt 256 --new 256" \
+                 "--batch 128 --samples-per-prompt 16 --prompt 4096 --new 512"; do
+      echo "== FLOE_CUDA_GRAPHS=$g $shape" | tee -a "$B"
+      FLOE_CUDA_GRAPHS=$g timeout 100 ./floe bench generate --device cuda:0 --model 1.7B --random-init $shape 2>&1 \
+        | grep -E "^1\.7B|^model|RESULT" | sed -E 's/^RESULT .*("graphs":\{[^}]*\}).*/  \1/' | tee -a "$B"
+    done
+  done
 fi
 if part grpo; then
   grpo="bench generate --device cuda:0 --model 1.7B --random-init --batch 128 --samples-per-prompt 16 --prompt 4096 --new 512"
