@@ -8,22 +8,18 @@ use std::sync::Arc;
 use floe_backend::cpu::CpuBackend;
 use floe_backend::cuda::CudaBackend;
 use floe_backend::Backend;
-use floe_model::config::{Architecture, ModelConfig};
+use floe_model::config::ModelConfig;
 use floe_model::decode::CachedInput;
 use floe_model::lora::LoraConfig;
 use floe_model::transformer::Transformer;
 
+mod support;
+
+/// Long enough for the shared prompt and the decoded tokens.
 fn config() -> ModelConfig {
     ModelConfig {
-        vocab_size: 256,
-        hidden_size: 64,
-        intermediate_size: 128,
-        num_hidden_layers: 2,
-        num_attention_heads: 4,
-        num_key_value_heads: 2,
-        head_dim: 32,
         max_position_embeddings: 1024,
-        ..ModelConfig::test_shape(Architecture::Qwen3)
+        ..support::cuda_test_config()
     }
 }
 

@@ -10,29 +10,13 @@ use floe_backend::cpu::CpuBackend;
 use floe_backend::cuda::CudaBackend;
 use floe_backend::{AdamW, Backend, BufKind};
 use floe_model::batch::{PackedBatch, TokenStats};
-use floe_model::config::{Architecture, ModelConfig};
+use floe_model::config::ModelConfig;
 use floe_model::transformer::Transformer;
 
+mod support;
+
 fn config() -> ModelConfig {
-    ModelConfig {
-        architecture: Architecture::Qwen3,
-        vocab_size: 256,
-        hidden_size: 64,
-        intermediate_size: 128,
-        num_hidden_layers: 2,
-        num_attention_heads: 4,
-        num_key_value_heads: 2,
-        head_dim: 32,
-        rms_norm_eps: 1e-6,
-        rope_theta: 10000.0,
-        rope_scaling: None,
-        max_position_embeddings: 256,
-        tie_word_embeddings: true,
-        attention_bias: false,
-        qk_norm: true,
-        bos_token_id: None,
-        eos_token_ids: vec![],
-    }
+    support::cuda_test_config()
 }
 
 fn batch() -> PackedBatch {

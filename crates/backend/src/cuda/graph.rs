@@ -114,7 +114,17 @@ impl CudaBackend {
         }
     }
 
-    /// Appends a launch to the signature; true when it is to be enqueued.
+    /// Appends what `sign` writes to the running pass's signature; true when the op is
+    /// to be enqueued (eager or recording), false in the check pass.
+    fn sign(&self, sign: impl FnOnce(&mut Vec<u64>)) -> bool {
+        let pass = self.pass();
+        if pass != Pass::Eager {
+            sign(&mut self.graphs.lock().expect("poisoned").signature);
+        }
+        pass != Pass::Check
+    }
+
+    /// Signs a launch; true when it is to be enqueued.
     pub(crate) fn graph_launch(
         &self,
         kernel: &'static str,
@@ -123,28 +133,23 @@ impl CudaBackend {
         shared: u32,
         slots: &[u64],
     ) -> bool {
-        let pass = self.pass();
-        if pass == Pass::Eager {
-            return true;
-        }
-        let mut graphs = self.graphs.lock().expect("poisoned");
-        let s = &mut graphs.signature;
-        s.extend([
-            TAG_LAUNCH,
-            kernel.as_ptr() as u64,
-            kernel.len() as u64,
-            u64::from(grid.0),
-            u64::from(grid.1),
-            u64::from(grid.2),
-            u64::from(block.0) | u64::from(block.1) << 20 | u64::from(block.2) << 40,
-            u64::from(shared),
-            slots.len() as u64,
-        ]);
-        s.extend_from_slice(slots);
-        pass == Pass::Record
+        self.sign(|s| {
+            s.extend([
+                TAG_LAUNCH,
+                kernel.as_ptr() as u64,
+                kernel.len() as u64,
+                u64::from(grid.0),
+                u64::from(grid.1),
+                u64::from(grid.2),
+                u64::from(block.0) | u64::from(block.1) << 20 | u64::from(block.2) << 40,
+                u64::from(shared),
+                slots.len() as u64,
+            ]);
+            s.extend_from_slice(slots);
+        })
     }
 
-    /// Appends a GEMM to the signature; true when it is to be enqueued.
+    /// Signs a GEMM; true when it is to be enqueued.
     pub(crate) fn graph_gemm(
         &self,
         operands: [(u64, BufKind); 3],
@@ -152,24 +157,19 @@ impl CudaBackend {
         alpha: f32,
         beta: f32,
     ) -> bool {
-        let pass = self.pass();
-        if pass == Pass::Eager {
-            return true;
-        }
-        let mut graphs = self.graphs.lock().expect("poisoned");
-        let s = &mut graphs.signature;
-        s.push(TAG_GEMM);
-        for (ptr, kind) in operands {
-            s.extend([ptr, kind as u64]);
-        }
-        s.extend([
-            dims.m as u64,
-            dims.n as u64,
-            dims.k as u64,
-            u64::from(dims.trans_a) | u64::from(dims.trans_b) << 1,
-            u64::from(alpha.to_bits()) | u64::from(beta.to_bits()) << 32,
-        ]);
-        pass == Pass::Record
+        self.sign(|s| {
+            s.push(TAG_GEMM);
+            for (ptr, kind) in operands {
+                s.extend([ptr, kind as u64]);
+            }
+            s.extend([
+                dims.m as u64,
+                dims.n as u64,
+                dims.k as u64,
+                u64::from(dims.trans_a) | u64::from(dims.trans_b) << 1,
+                u64::from(alpha.to_bits()) | u64::from(beta.to_bits()) << 32,
+            ]);
+        })
     }
 
     /// The device address of work list `data` inside a graph pass: the same list under

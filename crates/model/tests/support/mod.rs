@@ -31,3 +31,29 @@ impl Rng {
         (0..n).map(|_| self.below(vocab) as u32).collect()
     }
 }
+
+/// The small Qwen3 shape of the CUDA model tests: head_dim 32 (a size the CUDA kernels
+/// take), two query heads per kv head, tied embeddings.
+#[allow(dead_code)] // each test binary uses a different subset
+pub fn cuda_test_config() -> floe_model::config::ModelConfig {
+    use floe_model::config::{Architecture, ModelConfig};
+    ModelConfig {
+        architecture: Architecture::Qwen3,
+        vocab_size: 256,
+        hidden_size: 64,
+        intermediate_size: 128,
+        num_hidden_layers: 2,
+        num_attention_heads: 4,
+        num_key_value_heads: 2,
+        head_dim: 32,
+        rms_norm_eps: 1e-6,
+        rope_theta: 10000.0,
+        rope_scaling: None,
+        max_position_embeddings: 256,
+        tie_word_embeddings: true,
+        attention_bias: false,
+        qk_norm: true,
+        bos_token_id: None,
+        eos_token_ids: vec![],
+    }
+}
