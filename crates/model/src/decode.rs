@@ -7,6 +7,8 @@
 //! of the block tables (see [`floe_backend::PagedLayout`]); the engine's block manager
 //! decides which blocks a sequence owns and which it shares.
 
+use std::borrow::Cow;
+
 use floe_backend::{Backend, BufKind, Matmul, PagedLayout, QueryRun, SharedKeys};
 
 use crate::transformer::{Attend, LayerActs, ModelError, Residual, Result, Transformer};
@@ -66,47 +68,55 @@ const GRAPH_BLOCK_COLUMNS: usize = 32;
 /// graph to `tokens` tokens and a multiple of [`GRAPH_BLOCK_COLUMNS`] table columns.
 /// Padding tokens (id 0 at position 0) each get a table row of their own that lists
 /// only `pad_block`, whose first slot they write; no real token reads that block.
-struct StepInput {
-    tokens: Vec<u32>,
-    token_seq: Vec<u32>,
-    token_pos: Vec<u32>,
-    slots: Vec<u32>,
-    block_tables: Vec<u32>,
+struct StepInput<'a> {
+    tokens: Cow<'a, [u32]>,
+    token_seq: Cow<'a, [u32]>,
+    token_pos: Cow<'a, [u32]>,
+    slots: Cow<'a, [u32]>,
+    block_tables: Cow<'a, [u32]>,
     max_blocks: usize,
 }
 
-impl StepInput {
-    fn new(input: &CachedInput, graphed: Option<usize>, pad_block: u32, block_size: usize) -> Self {
-        let t = input.tokens.len();
+impl<'a> StepInput<'a> {
+    /// `input` as it is (eager), or padded to `graphed` tokens.
+    fn new(
+        input: &'a CachedInput,
+        graphed: Option<usize>,
+        pad_block: u32,
+        block_size: usize,
+    ) -> Self {
         let Some(tokens) = graphed else {
             return Self {
-                tokens: input.tokens.clone(),
-                token_seq: input.token_seq.clone(),
-                token_pos: input.token_pos.clone(),
-                slots: input.slots.clone(),
-                block_tables: input.block_tables.clone(),
+                tokens: Cow::Borrowed(&input.tokens),
+                token_seq: Cow::Borrowed(&input.token_seq),
+                token_pos: Cow::Borrowed(&input.token_pos),
+                slots: Cow::Borrowed(&input.slots),
+                block_tables: Cow::Borrowed(&input.block_tables),
                 max_blocks: input.max_blocks,
             };
         };
-        let pad = tokens - t;
+        let pad = tokens - input.tokens.len();
         let n_seqs = input.block_tables.len() / input.max_blocks;
         let max_blocks = input.max_blocks.next_multiple_of(GRAPH_BLOCK_COLUMNS);
         let mut block_tables = vec![pad_block; (n_seqs + pad) * max_blocks];
         for (row, table) in input.block_tables.chunks(input.max_blocks).enumerate() {
             block_tables[row * max_blocks..][..input.max_blocks].copy_from_slice(table);
         }
-        let cat = |real: &[u32], padding: &mut dyn Iterator<Item = u32>| {
-            real.iter().copied().chain(padding).collect::<Vec<u32>>()
+        // `real` followed by `pad` values, the `j`-th padding token's being `value(j)`.
+        let padded = |real: &[u32], value: &dyn Fn(u32) -> u32| -> Cow<'a, [u32]> {
+            Cow::Owned(
+                real.iter()
+                    .copied()
+                    .chain((0..pad as u32).map(value))
+                    .collect(),
+            )
         };
         Self {
-            tokens: cat(&input.tokens, &mut std::iter::repeat_n(0, pad)),
-            token_seq: cat(&input.token_seq, &mut (n_seqs as u32..).take(pad)),
-            token_pos: cat(&input.token_pos, &mut std::iter::repeat_n(0, pad)),
-            slots: cat(
-                &input.slots,
-                &mut std::iter::repeat_n(pad_block * block_size as u32, pad),
-            ),
-            block_tables,
+            tokens: padded(&input.tokens, &|_| 0),
+            token_seq: padded(&input.token_seq, &|j| n_seqs as u32 + j),
+            token_pos: padded(&input.token_pos, &|_| 0),
+            slots: padded(&input.slots, &|_| pad_block * block_size as u32),
+            block_tables: Cow::Owned(block_tables),
             max_blocks,
         }
     }

@@ -102,14 +102,8 @@ const WARP_ROW_THREADS: u32 = 256;
 
 impl CudaBackend {
     pub(crate) fn upload_index_to(&self, data: &[u32]) -> Result<CudaBuf> {
-        self.eager_only("an upload")?;
         let mut buf = self.alloc(data.len(), BufKind::Index)?;
-        if let Storage::U32(s) = &mut buf.storage {
-            if !data.is_empty() {
-                self.stream
-                    .memcpy_htod(data, &mut s.slice_mut(..data.len()))?;
-            }
-        }
+        Backend::write_index(self, &mut buf, data)?;
         Ok(buf)
     }
 
