@@ -375,8 +375,8 @@ impl<B: Backend> Transformer<B> {
                 layer: LayerActs {
                     // A graph cannot allocate LoRA's low-rank product each call.
                     low_rank: self
-                        .lora_rank()
-                        .map(|r| b.zeros(padded * r, BufKind::Compute))
+                        .lora_config()
+                        .map(|lora| b.zeros(padded * lora.rank, BufKind::Compute))
                         .transpose()?,
                     ..LayerActs::new(&mut crate::transformer::zeros_on(b), c, padded)?
                 },

@@ -637,11 +637,6 @@ impl<B: Backend> Transformer<B> {
         self.linear(y, u, &adapter.b, rows, n_out, r, true)
     }
 
-    /// The LoRA rank, on a LoRA model.
-    pub(crate) fn lora_rank(&self) -> Option<usize> {
-        self.lora.as_ref().map(|l| l.config.rank)
-    }
-
     /// Adds projection `p`'s low-rank term to its output `y` when `adapters` (one
     /// layer's) adapt it, through `low_rank` when given (see [`Self::lora_forward`]); a
     /// no-op otherwise.
