@@ -355,7 +355,16 @@ impl<B: Backend> Transformer<B> {
         let (t, h, vocab) = (input.tokens.len(), c.hidden_size, c.vocab_size);
         let w = self.weights();
 
-        let max_context = input.token_pos.iter().max().map_or(0, |&p| p as usize + 1);
+        // A bound on every token's context, rounded as the graphed tables' columns are: the
+        // attention's split plan (and with it a graph's launch arguments) then changes
+        // every 32 blocks of context instead of every 64 keys, and eager and graphed steps
+        // plan alike.
+        let max_context = input
+            .token_pos
+            .iter()
+            .max()
+            .map_or(0, |&p| p as usize + 1)
+            .next_multiple_of(GRAPH_BLOCK_COLUMNS * cache.block_size);
         let runs = input.query_runs();
         let shared = input.shared_keys(&runs, cache.block_size);
         let graphed = graphs && runs.is_empty() && t <= GRAPH_MAX_TOKENS;
