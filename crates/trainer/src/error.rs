@@ -53,6 +53,10 @@ pub enum Error {
     /// says why.
     #[error("data parallel: {0}")]
     DataParallel(String),
+    /// The model `model.path` names is missing, unknown or unreadable; the message names
+    /// it.
+    #[error("model: {0}")]
+    Model(String),
     /// Prompts or examples are missing or malformed; the message names the source.
     #[error("data: {0}")]
     Data(String),

@@ -90,8 +90,11 @@ pub fn model_setup(
     fresh: bool,
 ) -> Result<ModelSetup> {
     let path = &config.model.path;
+    if !is_embedded(path) && !Path::new(path).is_dir() {
+        return Err(missing_folder(path));
+    }
     if !is_embedded(path) && !config.model.random_weights && !has_weights(Path::new(path)) {
-        return Err(Error::Data(format!(
+        return Err(Error::Model(format!(
             "{path}: no model.safetensors or model.safetensors.index.json; to train this \
              shape from random weights, set model.random_weights = true"
         )));
@@ -127,11 +130,10 @@ pub fn model_setup(
 /// `tokenizer` when the folder has none).
 pub fn base_source(config: &Config, tokenizer: &Tokenizer) -> Result<ModelSource> {
     let path = &config.model.path;
-    let random = match embedded_model(path, tokenizer).map_err(|e| Error::Data(e.to_string()))? {
+    let random = match embedded_model(path, tokenizer).map_err(|e| Error::Model(e.to_string()))? {
         Some(model) => Some(model),
         None if config.model.random_weights => {
-            let model = ModelConfig::from_hf_file(Path::new(path).join("config.json"))
-                .map_err(|e| Error::Data(e.to_string()))?;
+            let model = folder_config(path)?;
             Some(if config.model.uses_embedded_tokenizer() {
                 over_embedded_tokenizer(model, tokenizer)
             } else {
@@ -150,6 +152,27 @@ pub fn base_source(config: &Config, tokenizer: &Tokenizer) -> Result<ModelSource
         }
         None => Ok(ModelSource::Dir(PathBuf::from(path))),
     }
+}
+
+/// The `config.json` of the model folder `path`; when the folder is not there, the error
+/// says how to run or plan its shape without it.
+fn folder_config(path: &str) -> Result<ModelConfig> {
+    ModelConfig::from_hf_file(Path::new(path).join("config.json")).map_err(|e| {
+        if Path::new(path).is_dir() {
+            Error::Model(e.to_string())
+        } else {
+            missing_folder(path)
+        }
+    })
+}
+
+/// `model.path` names no folder.
+fn missing_folder(path: &str) -> Error {
+    Error::Model(format!(
+        "model.path = {path:?}: no such folder; point it at a Hugging Face model folder, or \
+         run a Qwen3 shape on random weights with model.path=embedded:<shape> (tiny, small, \
+         0.6B, 1.7B, 4B, 8B, 14B or 32B; over the run's own small tokenizer)"
+    ))
 }
 
 /// Whether a model folder holds safetensors weights (one file or an index of shards).
@@ -323,13 +346,12 @@ fn planned_model(config: &Config) -> Result<ModelConfig> {
     let model = match path.strip_prefix(EMBEDDED_PREFIX) {
         Some(name) => {
             let mut model = ModelConfig::preset(name)
-                .map_err(|_| Error::Data(UnknownEmbeddedModel(path.clone()).to_string()))?;
+                .map_err(|_| Error::Model(UnknownEmbeddedModel(path.clone()).to_string()))?;
             model.vocab_size = EMBEDDED_VOCAB_SIZE;
             model
         }
         None => {
-            let mut model = ModelConfig::from_hf_file(Path::new(path).join("config.json"))
-                .map_err(|e| Error::Data(e.to_string()))?;
+            let mut model = folder_config(path)?;
             if config.model.uses_embedded_tokenizer() {
                 model.vocab_size = EMBEDDED_VOCAB_SIZE;
             }

@@ -313,3 +313,27 @@ fn a_lora_config_that_trains_nothing_is_refused() {
     let err = config.validate().unwrap_err().to_string();
     assert!(err.contains("nothing would train"), "{err}");
 }
+
+#[test]
+fn a_missing_model_folder_is_named_with_the_random_weights_alternative() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("models/Qwen3-32B");
+    let mut overrides = tiny_overrides(&dir.path().join("run"));
+    overrides.push(format!("model.path={}", missing.display()));
+    let config = Config::load(None, &overrides).unwrap();
+    // Training and planning (`floe plan`) both stop at the folder, naming it and the way
+    // to run its shape without it; training writes nothing first.
+    let trained = train(&config).unwrap_err().to_string();
+    let planned = floe_trainer::setup::memory_plan(&config, None, 1)
+        .unwrap_err()
+        .to_string();
+    for err in [&trained, &planned] {
+        assert!(
+            err.contains(&format!("{:?}", missing.display().to_string()))
+                && err.contains("no such folder")
+                && err.contains("model.path=embedded:<shape>"),
+            "{err}"
+        );
+    }
+    assert!(!dir.path().join("run").join("metrics.jsonl").exists());
+}
