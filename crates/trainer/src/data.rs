@@ -63,6 +63,20 @@ pub fn load_split(config: &Config, run_dir: &Path, split: Split) -> Result<Vec<R
 
 fn load_source(config: &Config, run_dir: &Path, source: &str, split: Split) -> Result<Vec<Row>> {
     let Some(task) = source.strip_prefix(SYNTHETIC_PREFIX) else {
+        if !Path::new(source).exists() {
+            let key = match split {
+                Split::Train => "data.train_data",
+                Split::Val => "data.val_data",
+            };
+            let from = std::env::current_dir()
+                .map(|dir| format!(" (from {})", dir.display()))
+                .unwrap_or_default();
+            return Err(Error::Data(format!(
+                "{key}: {source}: no such file{from}; BIRD's splits come from `floe data bird \
+                 --bird-dir <BIRD> --out data/bird`, a synthetic task needs no file \
+                 ({key} = [\"synthetic:sql\"])"
+            )));
+        }
         return Ok(dataset::load_rows(source)?);
     };
     let seed = config.trainer.seed;

@@ -337,3 +337,18 @@ fn a_missing_model_folder_is_named_with_the_random_weights_alternative() {
     }
     assert!(!dir.path().join("run").join("metrics.jsonl").exists());
 }
+
+#[test]
+fn a_missing_prompt_file_is_named_with_its_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut overrides = tiny_overrides(&dir.path().join("run"));
+    overrides.push("data.val_data=[\"data/bird/dev.parquet\"]".into());
+    let err = train(&Config::load(None, &overrides).unwrap())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("data.val_data: data/bird/dev.parquet: no such file")
+            && err.contains("floe data bird"),
+        "{err}"
+    );
+}
