@@ -13,6 +13,8 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Map, Value};
 
+use crate::embedded::EMBEDDED_CONTEXT;
+
 /// The decoder families floe runs; they differ only in a few switches of [`ModelConfig`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Architecture {
@@ -616,6 +618,8 @@ impl ModelConfig {
     ///
     /// Except for `tiny`: vocabulary 151936, head size 128 (64 for `small`), RoPE base 1e6,
     /// bos 151643, eos 151645. RMSNorm eps 1e-6 throughout; the embeddings are tied up to 4B.
+    /// The context is Qwen3's 40960 tokens, [`EMBEDDED_CONTEXT`] for floe's own `tiny` and
+    /// `small`.
     pub fn preset(name: &str) -> Result<Self> {
         let tiny = name == "tiny";
         // (hidden, intermediate, layers, heads, kv_heads)
@@ -646,7 +650,11 @@ impl ModelConfig {
             rms_norm_eps: 1e-6,
             rope_theta: if tiny { 1e4 } else { 1e6 },
             rope_scaling: None,
-            max_position_embeddings: 40960,
+            max_position_embeddings: if matches!(name, "tiny" | "small") {
+                EMBEDDED_CONTEXT
+            } else {
+                40960
+            },
             tie_word_embeddings: !matches!(name, "8B" | "14B" | "32B"),
             attention_bias: false,
             qk_norm: true,

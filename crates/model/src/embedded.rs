@@ -38,7 +38,9 @@ pub fn embedded_model(
 /// them several-fold).
 pub const EMBEDDED_VOCAB_SIZE: usize = 1024;
 
-/// Longest sequence the embedded model accepts (its RoPE table).
+/// Context of floe's own embedded shapes (`tiny`, `small`): what their tasks need. The
+/// real Qwen3 sizes (`embedded:1.7B`, ...) keep Qwen3's, so a recipe's long prompts run on
+/// them as on the real model.
 pub const EMBEDDED_CONTEXT: usize = 2048;
 
 /// A `model.path` with the embedded prefix whose name no preset has.
@@ -55,11 +57,10 @@ pub fn train_embedded_tokenizer(texts: &[String]) -> Result<Tokenizer, Tokenizer
     train_bpe(texts, EMBEDDED_VOCAB_SIZE, &QWEN3_SPECIAL_TOKENS)
 }
 
-/// `config` with the vocabulary and special ids of `tokenizer` (an embedded one) and the
-/// embedded context: the shape of a random model over a task's own tokenizer.
+/// `config` with the vocabulary and special ids of `tokenizer` (an embedded one): the
+/// shape of a random model over a task's own tokenizer.
 pub fn over_embedded_tokenizer(mut config: ModelConfig, tokenizer: &Tokenizer) -> ModelConfig {
     config.vocab_size = tokenizer.vocab_size();
-    config.max_position_embeddings = EMBEDDED_CONTEXT;
     config.bos_token_id = None;
     config.eos_token_ids = tokenizer.eos_token_ids.clone();
     config
@@ -80,6 +81,11 @@ mod tests {
         assert_eq!((tiny.hidden_size, small.hidden_size), (128, 256));
         assert_eq!(small.vocab_size, tokenizer.vocab_size());
         assert_eq!(small.max_position_embeddings, EMBEDDED_CONTEXT);
+        // A real Qwen3 size keeps Qwen3's context: recipes with 32K prompts run on it.
+        let qwen = embedded_model("embedded:1.7B", &tokenizer)
+            .unwrap()
+            .unwrap();
+        assert_eq!(qwen.max_position_embeddings, 40960);
         assert!(embedded_model("/models/qwen", &tokenizer)
             .unwrap()
             .is_none());
