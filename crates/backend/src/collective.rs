@@ -18,8 +18,9 @@ pub trait Collective<B: Backend>: Send + Sync {
     fn rank(&self) -> usize;
     /// Ranks in the group.
     fn world_size(&self) -> usize;
-    /// `buf = Σ over ranks of buf`. Full buffers only: sums in bf16 would lose the low
-    /// bits of gradients.
+    /// `buf = Σ over ranks of buf`, in the buffer's precision: Full for gradients (sums in
+    /// bf16 would lose their low bits), Compute for the partial activations of a
+    /// tensor-parallel layer (as every tensor-parallel engine sums them).
     fn all_reduce_sum(&self, buf: &mut B::Buf) -> Result<()>;
     /// `recv[r·n .. (r+1)·n] = rank r's send` with `n = len(send)`; both of one kind.
     fn all_gather(&self, send: &B::Buf, recv: &mut B::Buf) -> Result<()>;
@@ -48,6 +49,9 @@ pub(crate) fn check(op: &'static str, world_size: usize, args: Args) -> Result<(
         }
     };
     match args {
+        Args::AllReduce {
+            kind: BufKind::Compute,
+        } => Ok(()),
         Args::AllReduce { kind } => full("buf", kind),
         Args::AllGather { send, recv } => {
             if send.1 != recv.1 {

@@ -108,8 +108,8 @@ fn all_gather_reduce_scatter_broadcast_barrier() {
 #[test]
 fn shapes_and_kinds_are_checked() {
     let errors = on_ranks(2, LONG, |c, b| {
-        let mut compute = b.zeros(4, BufKind::Compute).unwrap();
-        let kind = c.all_reduce_sum(&mut compute).unwrap_err();
+        let mut ids = b.zeros(4, BufKind::Index).unwrap();
+        let kind = c.all_reduce_sum(&mut ids).unwrap_err();
         let send = b.zeros(4, BufKind::Full).unwrap();
         let mut recv = b.zeros(4, BufKind::Full).unwrap();
         let gather = c.all_gather(&send, &mut recv).unwrap_err();

@@ -367,7 +367,9 @@ impl<B: Backend> Transformer<B> {
             .next_multiple_of(GRAPH_BLOCK_COLUMNS * cache.block_size);
         let runs = input.query_runs();
         let shared = input.shared_keys(&runs, cache.block_size);
-        let graphed = graphs && runs.is_empty() && t <= GRAPH_MAX_TOKENS;
+        // A tensor-parallel step's collectives are not graph launches: it runs eagerly.
+        let graphed =
+            graphs && runs.is_empty() && t <= GRAPH_MAX_TOKENS && self.tensor_parallel.is_none();
         let padded = if graphed { graph_tokens(t) } else { t };
         let step = StepInput::new(
             input,

@@ -10,6 +10,7 @@ pub mod config;
 pub mod decode;
 pub mod embedded;
 pub mod lora;
+pub mod tensor_parallel;
 pub mod tokenizer;
 pub mod transformer;
 pub mod weights;

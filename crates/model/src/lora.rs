@@ -484,6 +484,11 @@ impl<B: Backend> Transformer<B> {
     }
 
     fn attach_lora(mut self, config: LoraConfig, params: AdapterSet<B::Buf>) -> Result<Self> {
+        if self.tensor_parallel.is_some() {
+            return Err(ModelError::Input(
+                "LoRA adapters on a tensor-parallel model are not supported yet".into(),
+            ));
+        }
         let b = &*self.backend;
         let compute = if b.compute_is_full() {
             None

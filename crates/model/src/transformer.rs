@@ -34,7 +34,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use floe_backend::{
-    AttnShape, Backend, BufKind, LmHead, Matmul, NormedHeads, PagedLayout, Segment,
+    AttnShape, Backend, BufKind, Collective, LmHead, Matmul, NormedHeads, PagedLayout, Segment,
 };
 use rand_xoshiro::rand_core::{RngCore, SeedableRng};
 use rand_xoshiro::SplitMix64;
@@ -535,6 +535,8 @@ pub struct Transformer<B: Backend> {
     acts: Option<Activations<B::Buf>>,
     /// Most logits one lm-head chunk may hold.
     lm_head_chunk_logits: usize,
+    /// The ranks this model's layers are split over ([`crate::tensor_parallel`]).
+    pub(crate) tensor_parallel: Option<Arc<dyn Collective<B>>>,
 }
 
 /// RoPE inverse frequencies exactly as Hugging Face computes them in f32, including the
@@ -662,6 +664,7 @@ impl<B: Backend> Transformer<B> {
             recomputed_layers: 0,
             acts: None,
             lm_head_chunk_logits,
+            tensor_parallel: None,
         })
     }
 
@@ -688,6 +691,7 @@ impl<B: Backend> Transformer<B> {
             recomputed_layers: self.recomputed_layers,
             acts: None,
             lm_head_chunk_logits: self.lm_head_chunk_logits,
+            tensor_parallel: self.tensor_parallel.clone(),
         })
     }
 
@@ -1058,8 +1062,14 @@ impl<B: Backend> Transformer<B> {
             }
             Residual::InPlace(x) => (x, None),
         };
-        self.linear(resid, &a.att, &w.wo, t, h, q, true)?;
+        // Under tensor parallelism the product is this rank's partial sum: rank 0 adds
+        // it to the residual, the others start from zero, and the ranks sum.
+        let adds_residual = self.tensor_parallel.as_ref().is_none_or(|c| c.rank() == 0);
+        self.linear(resid, &a.att, &w.wo, t, h, q, adds_residual)?;
         self.adapt(resid, &a.att, adapters, Proj::O, t, a.low_rank.as_mut())?;
+        if let Some(ranks) = &self.tensor_parallel {
+            ranks.all_reduce_sum(resid)?;
+        }
         b.rmsnorm_forward(&mut a.ln2, &mut a.ln2_rstd, resid, &w.post_norm, t, h, eps)?;
         self.linear(&mut a.gate, &a.ln2, &w.w_gate, t, inter, h, false)?;
         self.adapt(
@@ -1087,8 +1097,11 @@ impl<B: Backend> Transformer<B> {
             }
             None => resid,
         };
-        self.linear(out, &a.act, &w.w_down, t, h, inter, true)?;
+        self.linear(out, &a.act, &w.w_down, t, h, inter, adds_residual)?;
         self.adapt(out, &a.act, adapters, Proj::Down, t, a.low_rank.as_mut())?;
+        if let Some(ranks) = &self.tensor_parallel {
+            ranks.all_reduce_sum(out)?;
+        }
         Ok(())
     }
 
@@ -1413,6 +1426,11 @@ impl<B: Backend> Transformer<B> {
         logit_scale: f32,
         loss_grad: &mut LossGradFn<'_>,
     ) -> Result<TokenStats> {
+        if self.tensor_parallel.is_some() {
+            return Err(ModelError::Input(
+                "a tensor-parallel model samples and scores; it does not train".into(),
+            ));
+        }
         let t = batch.len();
         let [ids, targets, positions] = self.upload_batch(batch)?;
         self.run_forward(acts, batch, &ids, &targets, &positions, logit_scale)?;
