@@ -15,13 +15,14 @@
 //! point of the layout for long contexts.
 
 use std::collections::BTreeMap;
+use std::path::Path;
 use std::sync::Arc;
 
 use floe_backend::{Backend, Collective};
 
 use crate::config::ModelConfig;
 use crate::transformer::{ModelError, Result, Transformer};
-use crate::weights::{check_weights, tensor_specs, HostTensor};
+use crate::weights::{check_weights, tensor_specs, visit_model_dir, HostTensor, WeightsError};
 
 /// How a tensor of the full model is cut over the ranks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -88,38 +89,53 @@ pub fn shard_weights(
     rank: usize,
     ranks: usize,
 ) -> Result<BTreeMap<String, HostTensor>> {
+    check_rank(config, rank, ranks)?;
+    check_weights(config, weights)?;
+    Ok(tensor_specs(config)
+        .into_iter()
+        .map(|(name, _)| {
+            let slice = slice(&name, &weights[&name], rank, ranks);
+            (name, slice)
+        })
+        .collect())
+}
+
+fn check_rank(config: &ModelConfig, rank: usize, ranks: usize) -> Result<()> {
     narrowed(config, ranks)?;
     if rank >= ranks {
         return Err(ModelError::Input(format!(
             "tensor parallelism: rank {rank} of {ranks}"
         )));
     }
-    check_weights(config, weights)?;
-    tensor_specs(config)
-        .into_iter()
-        .map(|(name, shape)| {
-            let full = &weights[&name].data;
-            let (shape, data) = match (cut_of(&name), shape.as_slice()) {
-                (Cut::Rows, [rows, rest @ ..]) => {
-                    let row_len: usize = rest.iter().product();
-                    let take = rows / ranks;
-                    let data = full[rank * take * row_len..][..take * row_len].to_vec();
-                    ([&[take], rest].concat(), data)
-                }
-                (Cut::Columns, &[rows, cols]) => {
-                    let take = cols / ranks;
-                    let data = full
-                        .chunks_exact(cols)
-                        .flat_map(|row| &row[rank * take..][..take])
-                        .copied()
-                        .collect();
-                    (vec![rows, take], data)
-                }
-                _ => (shape, full.clone()),
-            };
-            Ok((name, HostTensor { shape, data }))
-        })
-        .collect()
+    Ok(())
+}
+
+/// Rank `rank`'s slice of the full tensor `name` (of its [`tensor_specs`] shape, whose
+/// cut dimension `ranks` divides: [`narrowed`] checked).
+fn slice(name: &str, full: &HostTensor, rank: usize, ranks: usize) -> HostTensor {
+    match (cut_of(name), full.shape.as_slice()) {
+        (Cut::Rows, [rows, rest @ ..]) => {
+            let row_len: usize = rest.iter().product();
+            let take = rows / ranks;
+            HostTensor {
+                shape: [&[take], rest].concat(),
+                data: full.data[rank * take * row_len..][..take * row_len].to_vec(),
+            }
+        }
+        (Cut::Columns, &[rows, cols]) => {
+            let take = cols / ranks;
+            HostTensor {
+                shape: vec![rows, take],
+                data: full
+                    .data
+                    .chunks_exact(cols)
+                    .flat_map(|row| &row[rank * take..][..take])
+                    .copied()
+                    .collect(),
+            }
+        }
+        _ => full.clone(),
+    }
 }
 
 /// Rank `collective.rank()`'s part of the model `config` with the full `weights`, over
@@ -134,6 +150,29 @@ pub fn model<B: Backend>(
     let (rank, ranks) = (collective.rank(), collective.world_size());
     let shard = shard_weights(config, weights, rank, ranks)?;
     let mut model = Transformer::from_host_weights(backend, narrowed(config, ranks)?, &shard)?;
+    model.tensor_parallel = Some(collective);
+    Ok(model)
+}
+
+/// [`model`] from a Hugging Face folder, read one tensor at a time and cut as it comes:
+/// a rank's host memory holds its slices and one whole tensor, not the model (Qwen3-32B
+/// is 131 GB in f32).
+pub fn load_dir<B: Backend>(
+    backend: Arc<B>,
+    dir: impl AsRef<Path>,
+    collective: Arc<dyn Collective<B>>,
+) -> Result<Transformer<B>> {
+    let (rank, ranks) = (collective.rank(), collective.world_size());
+    let config =
+        ModelConfig::from_hf_file(dir.as_ref().join("config.json")).map_err(WeightsError::from)?;
+    check_rank(&config, rank, ranks)?;
+    let mut shard = BTreeMap::new();
+    visit_model_dir(dir, true, &mut |name, tensor| -> Result<()> {
+        let slice = slice(&name, &tensor, rank, ranks);
+        shard.insert(name, slice);
+        Ok(())
+    })?;
+    let mut model = Transformer::from_host_weights(backend, narrowed(&config, ranks)?, &shard)?;
     model.tensor_parallel = Some(collective);
     Ok(model)
 }

@@ -13,7 +13,7 @@ use floe_model::config::{Architecture, ModelConfig};
 use floe_model::decode::CachedInput;
 use floe_model::tensor_parallel;
 use floe_model::transformer::Transformer;
-use floe_model::weights::{tensor_specs, HostTensor};
+use floe_model::weights::{save_model_dir, tensor_specs, HostTensor, SaveDType};
 
 mod support;
 use support::Rng;
@@ -89,22 +89,35 @@ fn tensor_parallel_matches_one_model(architecture: Architecture, ranks: usize) {
     let one = Transformer::from_host_weights(Arc::new(B::new()), config.clone(), &weights).unwrap();
     let want = outputs(&one, &tokens);
 
-    let group = InProcessCollective::<f64>::group(ranks, Duration::from_secs(60));
-    let got: Vec<(Vec<Vec<f64>>, usize)> = std::thread::scope(|s| {
-        let handles: Vec<_> = group
-            .into_iter()
-            .map(|collective| {
-                let (config, weights, tokens) = (&config, &weights, &tokens);
-                s.spawn(move || {
-                    let collective: Arc<dyn Collective<B>> = Arc::new(collective);
-                    let m = tensor_parallel::model(Arc::new(B::new()), config, weights, collective)
+    // The ranks cut the weights in memory, or read their slices from a folder.
+    let folder = tempfile::tempdir().unwrap();
+    save_model_dir(folder.path(), &config, &weights, SaveDType::F32).unwrap();
+    let on_ranks = |from_folder: bool| -> Vec<(Vec<Vec<f64>>, usize)> {
+        let group = InProcessCollective::<f64>::group(ranks, Duration::from_secs(60));
+        std::thread::scope(|s| {
+            let handles: Vec<_> = group
+                .into_iter()
+                .map(|collective| {
+                    let (config, weights, tokens) = (&config, &weights, &tokens);
+                    let folder = folder.path();
+                    s.spawn(move || {
+                        let collective: Arc<dyn Collective<B>> = Arc::new(collective);
+                        let backend = Arc::new(B::new());
+                        let m = if from_folder {
+                            tensor_parallel::load_dir(backend, folder, collective)
+                        } else {
+                            tensor_parallel::model(backend, config, weights, collective)
+                        }
                         .unwrap();
-                    (outputs(&m, tokens), m.kv_cache_bytes_per_block(BLOCK))
+                        (outputs(&m, tokens), m.kv_cache_bytes_per_block(BLOCK))
+                    })
                 })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
-    });
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    };
+    let got = on_ranks(false);
+    assert_eq!(on_ranks(true), got, "read from the folder");
 
     for (rank, (outputs, cache_bytes)) in got.iter().enumerate() {
         // Each rank caches its own key/value heads only.
