@@ -21,7 +21,7 @@ use std::sync::Arc;
 use floe_backend::{Backend, Collective};
 
 use crate::config::ModelConfig;
-use crate::transformer::{ModelError, Result, Transformer};
+use crate::transformer::{BaseStorage, ModelError, Params, Result, Transformer, INIT_STD};
 use crate::weights::{check_weights, tensor_specs, visit_model_dir, HostTensor, WeightsError};
 
 /// How a tensor of the full model is cut over the ranks.
@@ -149,7 +149,80 @@ pub fn model<B: Backend>(
 ) -> Result<Transformer<B>> {
     let (rank, ranks) = (collective.rank(), collective.world_size());
     let shard = shard_weights(config, weights, rank, ranks)?;
-    let mut model = Transformer::from_host_weights(backend, narrowed(config, ranks)?, &shard)?;
+    frozen(backend, narrowed(config, ranks)?, &shard, collective)
+}
+
+/// The narrowed model over `shard`, its weights in compute precision only (it never
+/// trains: bf16 on a GPU, half the bytes of masters).
+fn frozen<B: Backend>(
+    backend: Arc<B>,
+    narrow: ModelConfig,
+    shard: &BTreeMap<String, HostTensor>,
+    collective: Arc<dyn Collective<B>>,
+) -> Result<Transformer<B>> {
+    let mut model =
+        Transformer::from_host_weights_stored(backend, narrow, shard, BaseStorage::ComputeOnly)?;
+    model.tensor_parallel = Some(collective);
+    Ok(model)
+}
+
+/// Rank `collective.rank()`'s part of [`Transformer::new_random`]`(config, seed)`: the
+/// same values, each slice drawn on the device from its place in the random stream, so a
+/// benchmark of a model too large for one card needs no host copy of it and the ranks
+/// together compute what one model with those weights would.
+pub fn new_random<B: Backend>(
+    backend: Arc<B>,
+    config: &ModelConfig,
+    seed: u64,
+    collective: Arc<dyn Collective<B>>,
+) -> Result<Transformer<B>> {
+    let (rank, ranks) = (collective.rank(), collective.world_size());
+    check_rank(config, rank, ranks)?;
+    let narrow = narrowed(config, ranks)?;
+    let kind = BaseStorage::ComputeOnly.kind();
+    let b = &*backend;
+    // Where each tensor of the full model starts in the stream (norms and biases draw
+    // nothing, as in `new_random`).
+    let mut drawn = 0;
+    let mut starts = BTreeMap::new();
+    for (name, shape) in tensor_specs(config) {
+        starts.insert(name.clone(), (drawn, shape.clone()));
+        if !name.ends_with("norm.weight") && !name.ends_with(".bias") {
+            drawn += shape.iter().product::<usize>() as u64;
+        }
+    }
+    let params = Params::build(&narrow, |name, shape| {
+        let n: usize = shape.iter().product();
+        if name.ends_with("norm.weight") {
+            return Ok(b.upload(&vec![1.0; n], kind)?);
+        }
+        let mut buf = b.zeros(n, kind)?;
+        if name.ends_with(".bias") {
+            return Ok(buf);
+        }
+        let (first, full) = &starts[name];
+        match (cut_of(name), full.as_slice()) {
+            (Cut::Columns, &[rows, cols]) => {
+                // Each row's slice is its own stretch of the stream.
+                let take = cols / ranks;
+                let mut row = b.zeros(take, kind)?;
+                for r in 0..rows {
+                    let at = first + (r * cols + rank * take) as u64;
+                    b.fill_normal(&mut row, seed, at, INIT_STD)?;
+                    b.copy_range(&mut buf, r * take, &row, 0, take)?;
+                }
+            }
+            (Cut::Rows, _) => b.fill_normal(&mut buf, seed, first + (rank * n) as u64, INIT_STD)?,
+            _ => b.fill_normal(&mut buf, seed, *first, INIT_STD)?,
+        }
+        Ok(buf)
+    })?;
+    let mut model = Transformer::with_params(
+        Arc::clone(&backend),
+        narrow,
+        params,
+        BaseStorage::ComputeOnly,
+    )?;
     model.tensor_parallel = Some(collective);
     Ok(model)
 }
@@ -172,9 +245,7 @@ pub fn load_dir<B: Backend>(
         shard.insert(name, slice);
         Ok(())
     })?;
-    let mut model = Transformer::from_host_weights(backend, narrowed(&config, ranks)?, &shard)?;
-    model.tensor_parallel = Some(collective);
-    Ok(model)
+    frozen(backend, narrowed(&config, ranks)?, &shard, collective)
 }
 
 #[cfg(test)]

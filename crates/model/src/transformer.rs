@@ -117,7 +117,7 @@ pub(crate) struct Params<Buf> {
 
 impl<Buf> Params<Buf> {
     /// Builds every tensor in [`tensor_specs`] order with `make(name, shape)`.
-    fn build(
+    pub(crate) fn build(
         config: &ModelConfig,
         mut make: impl FnMut(&str, &[usize]) -> Result<Buf>,
     ) -> Result<Self> {
@@ -505,13 +505,16 @@ pub enum BaseStorage {
 }
 
 impl BaseStorage {
-    fn kind(self) -> BufKind {
+    pub(crate) fn kind(self) -> BufKind {
         match self {
             BaseStorage::Trainable => BufKind::Full,
             BaseStorage::ComputeOnly => BufKind::Compute,
         }
     }
 }
+
+/// Standard deviation of [`Transformer::new_random`]'s weights.
+pub(crate) const INIT_STD: f64 = 0.02;
 
 /// A decoder-only transformer on backend `B`, with its gradients and activations.
 pub struct Transformer<B: Backend> {
@@ -628,7 +631,7 @@ fn check_config(c: &ModelConfig) -> Result<()> {
 impl<B: Backend> Transformer<B> {
     /// Builds the model around `params`: Compute copies where the backend needs them, and
     /// RoPE frequencies.
-    fn with_params(
+    pub(crate) fn with_params(
         backend: Arc<B>,
         config: ModelConfig,
         params: Params<B::Buf>,
@@ -765,7 +768,7 @@ impl<B: Backend> Transformer<B> {
             }
             let mut buf = backend.zeros(n, kind)?;
             if !name.ends_with(".bias") {
-                backend.fill_normal(&mut buf, seed, drawn, 0.02)?;
+                backend.fill_normal(&mut buf, seed, drawn, INIT_STD)?;
                 drawn += n as u64;
             }
             Ok(buf)

@@ -88,47 +88,61 @@ fn tensor_parallel_matches_one_model(architecture: Architecture, ranks: usize) {
     let tokens = vec![rng.tokens(9, 32), rng.tokens(6, 32)];
     let one = Transformer::from_host_weights(Arc::new(B::new()), config.clone(), &weights).unwrap();
     let want = outputs(&one, &tokens);
+    let cache_bytes = one.kv_cache_bytes_per_block(BLOCK);
 
     // The ranks cut the weights in memory, or read their slices from a folder.
     let folder = tempfile::tempdir().unwrap();
     save_model_dir(folder.path(), &config, &weights, SaveDType::F32).unwrap();
-    let on_ranks = |from_folder: bool| -> Vec<(Vec<Vec<f64>>, usize)> {
-        let group = InProcessCollective::<f64>::group(ranks, Duration::from_secs(60));
-        std::thread::scope(|s| {
-            let handles: Vec<_> = group
-                .into_iter()
-                .map(|collective| {
-                    let (config, weights, tokens) = (&config, &weights, &tokens);
-                    let folder = folder.path();
-                    s.spawn(move || {
-                        let collective: Arc<dyn Collective<B>> = Arc::new(collective);
-                        let backend = Arc::new(B::new());
-                        let m = if from_folder {
-                            tensor_parallel::load_dir(backend, folder, collective)
-                        } else {
-                            tensor_parallel::model(backend, config, weights, collective)
-                        }
-                        .unwrap();
-                        (outputs(&m, tokens), m.kv_cache_bytes_per_block(BLOCK))
-                    })
-                })
-                .collect();
-            handles.into_iter().map(|h| h.join().unwrap()).collect()
-        })
-    };
-    let got = on_ranks(false);
-    assert_eq!(on_ranks(true), got, "read from the folder");
+    let got = on_ranks(ranks, cache_bytes, &tokens, |backend, collective| {
+        tensor_parallel::model(backend, &config, &weights, collective)
+    });
+    let read = on_ranks(ranks, cache_bytes, &tokens, |backend, collective| {
+        tensor_parallel::load_dir(backend, folder.path(), collective)
+    });
+    assert_eq!(read, got, "read from the folder");
+    close(&got, &want, ranks);
 
+    // Random weights drawn slice by slice are the one model's random weights.
+    let one = Transformer::new_random(Arc::new(B::new()), config.clone(), 17).unwrap();
+    let random = on_ranks(ranks, cache_bytes, &tokens, |backend, collective| {
+        tensor_parallel::new_random(backend, &config, 17, collective)
+    });
+    close(&random, &outputs(&one, &tokens), ranks);
+}
+
+/// Each rank's outputs (as a thread of an in-process group, its model from `make`) after
+/// checking that every rank computed the same bits and cached 1/N of the keys and values.
+fn on_ranks(
+    ranks: usize,
+    one_model_cache_bytes: usize,
+    tokens: &[Vec<u32>],
+    make: impl Fn(Arc<B>, Arc<dyn Collective<B>>) -> floe_model::transformer::Result<Transformer<B>>
+        + Sync,
+) -> Vec<Vec<f64>> {
+    let group = InProcessCollective::<f64>::group(ranks, Duration::from_secs(60));
+    let got: Vec<(Vec<Vec<f64>>, usize)> = std::thread::scope(|s| {
+        let handles: Vec<_> = group
+            .into_iter()
+            .map(|collective| {
+                let make = &make;
+                s.spawn(move || {
+                    let m = make(Arc::new(B::new()), Arc::new(collective)).unwrap();
+                    (outputs(&m, tokens), m.kv_cache_bytes_per_block(BLOCK))
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
     for (rank, (outputs, cache_bytes)) in got.iter().enumerate() {
-        // Each rank caches its own key/value heads only.
-        assert_eq!(
-            *cache_bytes * ranks,
-            one.kv_cache_bytes_per_block(BLOCK),
-            "rank {rank}"
-        );
+        assert_eq!(*cache_bytes * ranks, one_model_cache_bytes, "rank {rank}");
         assert_eq!(outputs, &got[0].0, "rank {rank} differs from rank 0");
     }
-    for (i, (got, want)) in got[0].0.iter().zip(&want).enumerate() {
+    got.into_iter().next().unwrap().0
+}
+
+/// Whether the ranks' outputs are the one model's, up to the order of the sums.
+fn close(got: &[Vec<f64>], want: &[Vec<f64>], ranks: usize) {
+    for (i, (got, want)) in got.iter().zip(want).enumerate() {
         assert_eq!(got.len(), want.len(), "output {i}");
         for (j, (g, w)) in got.iter().zip(want).enumerate() {
             assert!(
