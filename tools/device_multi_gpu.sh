@@ -14,6 +14,9 @@
 #   scale       `floe bench train` at the 1.7B shape, 8 x 2048 tokens a GPU with
 #               recompute, on one GPU and on N (zero stage 0 and 1): tokens/s per GPU and
 #               the scaling; `floe bench generate` on every GPU at once (per-GPU new tok/s)
+#   tp          `floe bench generate --tensor-parallel` over the N GPUs: the 8B shape
+#               against one GPU, and the 32B shape, whose bf16 weights (65 GB) leave one
+#               80 GB card too little KV cache
 #
 # Prepare here (no GPU needed), from the repository root:
 #   CARGO_TARGET_DIR=target-cuda cargo build --release -p floe-cli --features cuda
@@ -27,7 +30,7 @@ cd "$(dirname "$0")"
 [ -f floe.gz ] && gunzip -f floe.gz
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64 RUST_LOG=warn PYTHONUNBUFFERED=1
 LIMIT=${LIMIT:-560}
-PARTS=${PARTS:-collective train kill scale}
+PARTS=${PARTS:-collective train kill scale tp}
 N=${N:-$(nvidia-smi -L | wc -l)}
 L=${OUT:-.}/multi_gpu.log
 T0=$(date +%s)
@@ -140,5 +143,11 @@ if part scale; then
   TAIL=4 run 150 ./floe launch --gpus "$N" -- "${bench[@]}" --zero-stage 1
   TAIL=$(( 2 * N + 2 )) run 120 ./floe launch --gpus "$N" -- bench generate --device cuda:0 \
     --model 1.7B --batch 256 --prompt 256 --new 256
+fi
+if part tp; then
+  gen=(bench generate --device cuda:0 --batch 64,256 --prompt 256 --new 256)
+  TAIL=4 run 120 ./floe "${gen[@]}" --model 8B
+  TAIL=4 run 150 ./floe launch --gpus "$N" -- "${gen[@]}" --model 8B --tensor-parallel
+  TAIL=4 run 200 ./floe launch --gpus "$N" -- "${gen[@]}" --model 32B --tensor-parallel
 fi
 echo "done at t=$(elapsed)s" | tee -a "$L"

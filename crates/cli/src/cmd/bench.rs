@@ -29,6 +29,7 @@ use floe_engine::{DataParallelGroup, Device};
 use floe_engine::{MemoryPlan, PlanInputs, Recompute};
 use floe_engine::{NgramSpec, SampleRequest, Sampler, SamplerConfig, SamplingParams};
 use floe_model::batch::PackedBatch;
+use floe_model::tensor_parallel;
 use floe_model::transformer::Transformer;
 use floe_model::{weights, ModelConfig};
 use serde_json::{json, Value};
@@ -121,6 +122,11 @@ pub struct Args {
     /// `engine.offload_optimizer`).
     #[arg(long)]
     offload_optimizer: bool,
+    /// Under `floe launch`: split the model's layers over the ranks (generate; tensor
+    /// parallel, for models whose weights do not fit one card) instead of giving each
+    /// rank a whole model.
+    #[arg(long)]
+    tensor_parallel: bool,
     /// Under `floe launch`: 1 splits the optimizer state over the ranks (train; see
     /// `engine.zero_stage`).
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=1))]
@@ -179,18 +185,21 @@ fn run_rank(
              across processes; bench several GPUs with --device cuda"
         );
     }
+    if args.tensor_parallel && args.mode == Mode::Train {
+        bail!("--tensor-parallel splits a model for generation; train data parallel without it");
+    }
     let (backend, collective, group) = match args.mode {
-        Mode::Train => {
-            let group = DataParallelGroup::join_nccl(world, Duration::from_secs(300))
-                .with_context(|| format!("joining the NCCL group as rank {rank} of {size}"))?;
-            let (backend, collective) = group.cuda_parts().expect("a CUDA group");
-            (backend, Some(collective), Some(group))
-        }
-        Mode::Generate => {
+        Mode::Generate if !args.tensor_parallel => {
             let device = Device::Cuda(world.local_rank);
             let backend = CudaBackend::new(world.local_rank)
                 .with_context(|| format!("opening device {device}"))?;
             (Arc::new(backend), None, None)
+        }
+        Mode::Train | Mode::Generate => {
+            let group = DataParallelGroup::join_nccl(world, Duration::from_secs(300))
+                .with_context(|| format!("joining the NCCL group as rank {rank} of {size}"))?;
+            let (backend, collective) = group.cuda_parts().expect("a CUDA group");
+            (backend, Some(collective), Some(group))
         }
     };
     eprintln!("rank {rank} of {size} on {}", backend.name());
@@ -322,7 +331,19 @@ fn bench<B: Backend>(
         recomputed_layers = plan.recomputed_layers;
     }
     let loading = Instant::now();
-    let model = load_model(Arc::clone(&backend), config, dir.as_ref())?;
+    let model = match &collective {
+        Some(ranks) if args.tensor_parallel => {
+            let ranks = Arc::clone(ranks);
+            match &dir {
+                Some(dir) => tensor_parallel::load_dir(Arc::clone(&backend), dir, ranks)
+                    .with_context(|| {
+                        format!("loading rank {rank}'s slices of {}", dir.display())
+                    })?,
+                None => tensor_parallel::new_random(Arc::clone(&backend), &config, 0, ranks)?,
+            }
+        }
+        _ => load_model(Arc::clone(&backend), config, dir.as_ref())?,
+    };
     backend.synchronize()?;
     eprintln!(
         "weights {} in {:.1}s",
@@ -387,8 +408,9 @@ fn bench<B: Backend>(
             }
         }
     }
-    if rank != 0 && args.mode == Mode::Train {
-        // Rank 0 reports the group: its steps wait for every rank's gradients.
+    if rank != 0 && (args.mode == Mode::Train || args.tensor_parallel) {
+        // Rank 0 reports the group: its steps wait for every rank's gradients, or every
+        // rank ran the same steps over its part of the model.
         return Ok(());
     }
     let load = std::fs::read_to_string("/proc/loadavg")
