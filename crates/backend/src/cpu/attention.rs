@@ -508,6 +508,103 @@ impl PagedIndex<'_> {
     }
 }
 
+/// A block of one query token (a decoded token) read straight from the cache rows
+/// `s.keys`: gathering its keys and values and multiplying them by the gemm crate's
+/// packed kernels at `m = group` cost several times the arithmetic (copies, packing),
+/// which made gathering most of a decode step's attention. Returns its `[group, D]`
+/// outputs; the same sums as [`block_forward`] up to their order.
+fn decode_forward<T: CpuFloat>(
+    s: &mut Scratch<T>,
+    k_cache: &[T],
+    v_cache: &[T],
+    kv_head: usize,
+    heads: &Heads,
+    scale: T,
+) -> Vec<T> {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx512f") {
+        // SAFETY: the CPU has AVX-512F, checked just above.
+        return unsafe { decode_forward_avx512(s, k_cache, v_cache, kv_head, heads, scale) };
+    }
+    decode_forward_portable(s, k_cache, v_cache, kv_head, heads, scale)
+}
+
+/// [`decode_forward_portable`] compiled for AVX-512: the same operations in the same
+/// order (Rust never fuses or reorders float operations), in wider registers than the
+/// x86-64 baseline's SSE2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn decode_forward_avx512<T: CpuFloat>(
+    s: &mut Scratch<T>,
+    k_cache: &[T],
+    v_cache: &[T],
+    kv_head: usize,
+    heads: &Heads,
+    scale: T,
+) -> Vec<T> {
+    decode_forward_portable(s, k_cache, v_cache, kv_head, heads, scale)
+}
+
+#[inline(always)]
+fn decode_forward_portable<T: CpuFloat>(
+    s: &mut Scratch<T>,
+    k_cache: &[T],
+    v_cache: &[T],
+    kv_head: usize,
+    heads: &Heads,
+    scale: T,
+) -> Vec<T> {
+    let (d, group, n) = (heads.head_dim, heads.group, s.keys.len());
+    let (stride, offset) = (heads.kv_heads * d, kv_head * d);
+    let at = |slot: usize| slot * stride + offset..slot * stride + offset + d;
+    // `[group, keys]` scores, each key row read once for the group's query heads.
+    s.p.resize(group * n, T::ZERO);
+    for (j, &slot) in s.keys.iter().enumerate() {
+        let k = &k_cache[at(slot)];
+        for (r, q) in s.q.chunks_exact(d).enumerate() {
+            s.p[r * n + j] = dot(q, k) * scale;
+        }
+    }
+    for p in s.p.chunks_exact_mut(n) {
+        let max = max(p);
+        for x in p.iter_mut() {
+            *x = (*x - max).exp_vec();
+        }
+        let inv = T::ONE / sum(p);
+        for x in p.iter_mut() {
+            *x *= inv;
+        }
+    }
+    // Each output row in columns of up to `COLUMNS`, summed over the keys in order in a
+    // fixed-size accumulator the compiler keeps in registers (summed in place, the row
+    // went through memory at every key).
+    const COLUMNS: usize = 32;
+    let mut out = vec![T::ZERO; group * d];
+    for (p, out) in s.p.chunks_exact(n).zip(out.chunks_exact_mut(d)) {
+        for (c, out) in out.chunks_mut(COLUMNS).enumerate() {
+            let mut acc = [T::ZERO; COLUMNS];
+            let width = out.len();
+            let columns = |slot: usize| &v_cache[at(slot)][c * COLUMNS..][..width];
+            if width == COLUMNS {
+                for (&p, &slot) in p.iter().zip(&s.keys) {
+                    let v: &[T; COLUMNS] = columns(slot).try_into().expect("COLUMNS wide");
+                    for i in 0..COLUMNS {
+                        acc[i] += p * v[i];
+                    }
+                }
+            } else {
+                for (&p, &slot) in p.iter().zip(&s.keys) {
+                    for (a, &v) in acc.iter_mut().zip(columns(slot)) {
+                        *a += p * v;
+                    }
+                }
+            }
+            out.copy_from_slice(&acc[..width]);
+        }
+    }
+    out
+}
+
 /// Attention of each query token over its sequence's cached positions `0..=pos`;
 /// `invariant` computes each query row alone (see the module docs).
 pub(crate) fn paged<T: CpuFloat>(
@@ -532,6 +629,11 @@ pub(crate) fn paged<T: CpuFloat>(
         .map_init(Scratch::default, |s, b| -> Result<Vec<T>> {
             index.keys(b, &mut s.keys)?;
             heads.gather_q(&mut s.q, q, b);
+            if b.len == 1 && !invariant {
+                return Ok(decode_forward(
+                    s, k_cache, v_cache, b.kv_head, &heads, scale,
+                ));
+            }
             heads.gather_kv(&mut s.k, k_cache, b, &s.keys);
             heads.gather_kv(&mut s.v, v_cache, b, &s.keys);
             Ok(block_forward(s, b.len, &heads, scale).0)
