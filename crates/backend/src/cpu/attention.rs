@@ -16,7 +16,7 @@
 
 use rayon::prelude::*;
 
-use super::float::{dot, max, sum, CpuFloat};
+use super::float::{dot, max, sum, wide, CpuFloat};
 use super::gemm_serial;
 use super::invariant::fixed_dot;
 use crate::{AttnShape, Error, Matmul, Result, Segment};
@@ -208,8 +208,25 @@ fn block_forward<T: CpuFloat>(
         trans_b: true,
     };
     gemm_serial(&mut s.p, &s.q, &s.k, scores, false, scale);
-    let mut lse = Vec::with_capacity(m);
-    for (r, row) in s.p.chunks_exact_mut(n).enumerate() {
+    let lse = wide(|| causal_softmax(&mut s.p, n, group, len));
+    let mut out = vec![T::ZERO; m * d];
+    let values = Matmul {
+        m,
+        n: d,
+        k: n,
+        trans_a: false,
+        trans_b: false,
+    };
+    gemm_serial(&mut out, &s.p, &s.v, values, false, T::ONE);
+    (out, lse)
+}
+
+/// Turns `[len · group, keys]` scores into probabilities, in place, each row over the
+/// keys it sees (zero past them); returns the rows' log-sum-exps.
+#[inline(always)]
+fn causal_softmax<T: CpuFloat>(p: &mut [T], n: usize, group: usize, len: usize) -> Vec<T> {
+    let mut lse = Vec::with_capacity(p.len() / n);
+    for (r, row) in p.chunks_exact_mut(n).enumerate() {
         let (seen, masked) = row.split_at_mut(visible(r, group, len, n));
         let max = max(seen);
         for x in seen.iter_mut() {
@@ -223,16 +240,7 @@ fn block_forward<T: CpuFloat>(
         masked.fill(T::ZERO);
         lse.push(max + sum.ln());
     }
-    let mut out = vec![T::ZERO; m * d];
-    let values = Matmul {
-        m,
-        n: d,
-        k: n,
-        trans_a: false,
-        trans_b: false,
-    };
-    gemm_serial(&mut out, &s.p, &s.v, values, false, T::ONE);
-    (out, lse)
+    lse
 }
 
 /// [`block_forward`] one score row at a time, each by the same fixed sequence of
@@ -338,23 +346,7 @@ fn block_backward<T: CpuFloat>(
     s.dp.resize(m * n, T::ZERO);
     gemm_serial(&mut s.p, &s.q, &s.k, scores, false, scale);
     gemm_serial(&mut s.dp, &s.dout, &s.v, scores, false, T::ONE);
-    // p = exp(s − lse); ds = p (dp − rowsum(dO ∘ O)), the softmax Jacobian applied to dp.
-    for (r, (p, dp)) in
-        s.p.chunks_exact_mut(n)
-            .zip(s.dp.chunks_exact_mut(n))
-            .enumerate()
-    {
-        let seen = visible(r, group, len, n);
-        let delta = dot(&s.dout[r * d..(r + 1) * d], &s.out[r * d..(r + 1) * d]);
-        let (p_seen, p_masked) = p.split_at_mut(seen);
-        let (dp_seen, dp_masked) = dp.split_at_mut(seen);
-        for (p, dp) in p_seen.iter_mut().zip(dp_seen.iter_mut()) {
-            *p = (*p - lse[r]).exp_vec();
-            *dp = *p * (*dp - delta);
-        }
-        p_masked.fill(T::ZERO);
-        dp_masked.fill(T::ZERO);
-    }
+    wide(|| causal_softmax_backward(s, lse, d, group, len));
     let mut dq = vec![T::ZERO; m * d];
     let mut dk = vec![T::ZERO; n * d];
     let mut dv = vec![T::ZERO; n * d];
@@ -376,6 +368,36 @@ fn block_backward<T: CpuFloat>(
     gemm_serial(&mut dk, &s.dp, &s.q, to_keys, false, scale);
     gemm_serial(&mut dv, &s.p, &s.dout, to_keys, false, T::ONE);
     [dq, dk, dv]
+}
+
+/// `s.p` (scores) becomes `p = exp(s − lse)` and `s.dp` (`dO·Vᵀ`) becomes
+/// `ds = p (dp − rowsum(dO ∘ O))`, the softmax Jacobian applied to dp; zero past each
+/// row's visible keys.
+#[inline(always)]
+fn causal_softmax_backward<T: CpuFloat>(
+    s: &mut Scratch<T>,
+    lse: &[T],
+    d: usize,
+    group: usize,
+    len: usize,
+) {
+    let n = s.keys.len();
+    for (r, (p, dp)) in
+        s.p.chunks_exact_mut(n)
+            .zip(s.dp.chunks_exact_mut(n))
+            .enumerate()
+    {
+        let seen = visible(r, group, len, n);
+        let delta = dot(&s.dout[r * d..(r + 1) * d], &s.out[r * d..(r + 1) * d]);
+        let (p_seen, p_masked) = p.split_at_mut(seen);
+        let (dp_seen, dp_masked) = dp.split_at_mut(seen);
+        for (p, dp) in p_seen.iter_mut().zip(dp_seen.iter_mut()) {
+            *p = (*p - lse[r]).exp_vec();
+            *dp = *p * (*dp - delta);
+        }
+        p_masked.fill(T::ZERO);
+        dp_masked.fill(T::ZERO);
+    }
 }
 
 /// Backward of packed causal attention; see [`crate::Backend::attention_backward`].
@@ -512,41 +534,10 @@ impl PagedIndex<'_> {
 /// `s.keys`: gathering its keys and values and multiplying them by the gemm crate's
 /// packed kernels at `m = group` cost several times the arithmetic (copies, packing),
 /// which made gathering most of a decode step's attention. Returns its `[group, D]`
-/// outputs; the same sums as [`block_forward`] up to their order.
-fn decode_forward<T: CpuFloat>(
-    s: &mut Scratch<T>,
-    k_cache: &[T],
-    v_cache: &[T],
-    kv_head: usize,
-    heads: &Heads,
-    scale: T,
-) -> Vec<T> {
-    #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx512f") {
-        // SAFETY: the CPU has AVX-512F, checked just above.
-        return unsafe { decode_forward_avx512(s, k_cache, v_cache, kv_head, heads, scale) };
-    }
-    decode_forward_portable(s, k_cache, v_cache, kv_head, heads, scale)
-}
-
-/// [`decode_forward_portable`] compiled for AVX-512: the same operations in the same
-/// order (Rust never fuses or reorders float operations), in wider registers than the
-/// x86-64 baseline's SSE2.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn decode_forward_avx512<T: CpuFloat>(
-    s: &mut Scratch<T>,
-    k_cache: &[T],
-    v_cache: &[T],
-    kv_head: usize,
-    heads: &Heads,
-    scale: T,
-) -> Vec<T> {
-    decode_forward_portable(s, k_cache, v_cache, kv_head, heads, scale)
-}
-
+/// outputs; the same sums as [`block_forward`] up to their order. Inlined into a
+/// [`wide`] call.
 #[inline(always)]
-fn decode_forward_portable<T: CpuFloat>(
+fn decode_forward<T: CpuFloat>(
     s: &mut Scratch<T>,
     k_cache: &[T],
     v_cache: &[T],
@@ -630,9 +621,10 @@ pub(crate) fn paged<T: CpuFloat>(
             index.keys(b, &mut s.keys)?;
             heads.gather_q(&mut s.q, q, b);
             if b.len == 1 && !invariant {
-                return Ok(decode_forward(
-                    s, k_cache, v_cache, b.kv_head, &heads, scale,
-                ));
+                let (kv_head, heads) = (b.kv_head, &heads);
+                return Ok(wide(|| {
+                    decode_forward(s, k_cache, v_cache, kv_head, heads, scale)
+                }));
             }
             heads.gather_kv(&mut s.k, k_cache, b, &s.keys);
             heads.gather_kv(&mut s.v, v_cache, b, &s.keys);

@@ -177,6 +177,31 @@ fn gather<T: CpuFloat>(out: &mut [T], x: &[T], rows: &[u32], dim: usize) {
     }
 }
 
+/// `out = silu(gate) · up` elementwise; inlined into a [`float::wide`] call.
+#[inline(always)]
+fn swiglu_chunk<T: CpuFloat>(out: &mut [T], gate: &[T], up: &[T]) {
+    for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
+        *o = g / (T::ONE + (-g).exp_vec()) * u;
+    }
+}
+
+/// The gradients of [`swiglu_chunk`]: silu(g) = g σ(g), silu'(g) = σ(g) (1 + g (1 − σ(g))).
+#[inline(always)]
+fn swiglu_backward_chunk<T: CpuFloat>(
+    dgate: &mut [T],
+    dup: &mut [T],
+    dout: &[T],
+    gate: &[T],
+    up: &[T],
+) {
+    let inputs = dout.iter().zip(gate).zip(up);
+    for ((dg, du), ((&d, &g), &u)) in dgate.iter_mut().zip(dup).zip(inputs) {
+        let sig = T::ONE / (T::ONE + (-g).exp_vec());
+        *du = d * g * sig;
+        *dg = d * u * sig * (T::ONE + g * (T::ONE - sig));
+    }
+}
+
 // ---- argument kinds --------------------------------------------------------------------
 
 fn float_kind<T>(buf: &CpuBuf<T>) -> BufKind {
@@ -992,9 +1017,7 @@ impl<T: CpuFloat> Backend for CpuBackend<T> {
         let out = floats_mut(OP, "out", out)?;
         contract::swiglu_forward(out.len(), gate.len(), up.len())?;
         let swiglu = |((out, gate), up): ((&mut [T], &[T]), &[T])| {
-            for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
-                *o = g / (T::ONE + (-g).exp_vec()) * u;
-            }
+            float::wide(|| swiglu_chunk(out, gate, up))
         };
         if out.len() < PARALLEL_ELEMENTS {
             swiglu(((out, gate), up));
@@ -1022,7 +1045,6 @@ impl<T: CpuFloat> Backend for CpuBackend<T> {
         let dgate = floats_mut(OP, "dgate", dgate)?;
         let dup = floats_mut(OP, "dup", dup)?;
         contract::swiglu_backward(dgate.len(), dup.len(), dout.len(), gate.len(), up.len())?;
-        // silu(g) = g σ(g), silu'(g) = σ(g) (1 + g (1 − σ(g))).
         let chunk = ELEMENTWISE_CHUNK;
         dgate
             .par_chunks_mut(chunk)
@@ -1030,12 +1052,7 @@ impl<T: CpuFloat> Backend for CpuBackend<T> {
             .zip(dout.par_chunks(chunk))
             .zip(gate.par_chunks(chunk).zip(up.par_chunks(chunk)))
             .for_each(|(((dgate, dup), dout), (gate, up))| {
-                let inputs = dout.iter().zip(gate).zip(up);
-                for ((dg, du), ((&d, &g), &u)) in dgate.iter_mut().zip(dup).zip(inputs) {
-                    let sig = T::ONE / (T::ONE + (-g).exp_vec());
-                    *du = d * g * sig;
-                    *dg = d * u * sig * (T::ONE + g * (T::ONE - sig));
-                }
+                float::wide(|| swiglu_backward_chunk(dgate, dup, dout, gate, up))
             });
         Ok(())
     }
