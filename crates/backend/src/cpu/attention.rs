@@ -6,7 +6,9 @@
 //! contiguous `[keys, D]` matrices and its `group` query heads into `[tokens · group, D]`,
 //! then runs as matrix products (`block_forward`, `block_backward`); the per-row softmax
 //! is the only scalar loop. Blocks run in parallel and write private outputs, which are
-//! scattered (and, for keys read by several blocks, summed) afterwards.
+//! scattered (and, for keys read by several blocks, summed) afterwards. A decoded token
+//! (a paged block of one query) reads the cache in place instead (`decode_forward`): for
+//! one query row, gathering and packing cost more than the products.
 //!
 //! Batch invariant ([`crate::Backend::set_batch_invariant`]), the forward computes each
 //! score row alone instead (`block_forward_invariant`): a query's keys are its
