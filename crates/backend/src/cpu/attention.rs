@@ -670,7 +670,8 @@ mod tests {
 
     /// One softmax per query row over `keys[t]` (rows of k/v), f64.
     fn naive(q: &[f64], k: &[f64], v: &[f64], keys: &[Vec<usize>], scale: f64) -> Vec<f64> {
-        let (hq, hkv, d) = SHAPE;
+        let (hq, hkv) = (SHAPE.0, SHAPE.1);
+        let d = q.len() / (keys.len() * hq);
         let mut out = vec![0.0; q.len()];
         for (t, keys) in keys.iter().enumerate() {
             for h in 0..hq {
@@ -897,7 +898,14 @@ mod tests {
     /// as a 100-token prefill chunk (two blocks) and single tokens out of position order.
     #[test]
     fn paged_matches_one_softmax_per_row() {
-        let (hq, hkv, d) = SHAPE;
+        // Head dims of 8 and 40 (decode_forward's 32-column accumulators, whole and cut).
+        for d in [SHAPE.2, 40] {
+            paged_matches_one_softmax_per_row_at(d);
+        }
+    }
+
+    fn paged_matches_one_softmax_per_row_at(d: usize) {
+        let (hq, hkv) = (SHAPE.0, SHAPE.1);
         let block_size = 16;
         let max_blocks = 10;
         let tables: Vec<u32> = [
@@ -937,9 +945,16 @@ mod tests {
         let want = naive(&q, &k_cache, &v_cache, &keys, 0.4_f32 as f64);
         for invariant in [false, true] {
             let mut out = vec![0.0; q.len()];
-            let shape = shape(tokens);
+            let shape = AttnShape {
+                head_dim: d,
+                ..shape(tokens)
+            };
             paged(&mut out, &q, &k_cache, &v_cache, &index, shape, invariant).unwrap();
-            assert!(max_diff(&out, &want) < 1e-13, "{}", max_diff(&out, &want));
+            assert!(
+                max_diff(&out, &want) < 1e-13,
+                "d {d}: {}",
+                max_diff(&out, &want)
+            );
         }
     }
 }
