@@ -6,7 +6,9 @@
 //! contiguous `[keys, D]` matrices and its `group` query heads into `[tokens · group, D]`,
 //! then runs as matrix products (`block_forward`, `block_backward`); the per-row softmax
 //! is the only scalar loop. Blocks run in parallel and write private outputs, which are
-//! scattered (and, for keys read by several blocks, summed) afterwards.
+//! scattered (and, for keys read by several blocks, summed) afterwards. A decoded token
+//! (a paged block of one query) reads the cache in place instead (`decode_forward`): for
+//! one query row, gathering and packing cost more than the products.
 //!
 //! Batch invariant ([`crate::Backend::set_batch_invariant`]), the forward computes each
 //! score row alone instead (`block_forward_invariant`): a query's keys are its
@@ -16,7 +18,7 @@
 
 use rayon::prelude::*;
 
-use super::float::{dot, max, sum, CpuFloat};
+use super::float::{dot, max, sum, wide, CpuFloat};
 use super::gemm_serial;
 use super::invariant::fixed_dot;
 use crate::{AttnShape, Error, Matmul, Result, Segment};
@@ -208,8 +210,25 @@ fn block_forward<T: CpuFloat>(
         trans_b: true,
     };
     gemm_serial(&mut s.p, &s.q, &s.k, scores, false, scale);
-    let mut lse = Vec::with_capacity(m);
-    for (r, row) in s.p.chunks_exact_mut(n).enumerate() {
+    let lse = wide(|| causal_softmax(&mut s.p, n, group, len));
+    let mut out = vec![T::ZERO; m * d];
+    let values = Matmul {
+        m,
+        n: d,
+        k: n,
+        trans_a: false,
+        trans_b: false,
+    };
+    gemm_serial(&mut out, &s.p, &s.v, values, false, T::ONE);
+    (out, lse)
+}
+
+/// Turns `[len · group, keys]` scores into probabilities, in place, each row over the
+/// keys it sees (zero past them); returns the rows' log-sum-exps.
+#[inline(always)]
+fn causal_softmax<T: CpuFloat>(p: &mut [T], n: usize, group: usize, len: usize) -> Vec<T> {
+    let mut lse = Vec::with_capacity(p.len() / n);
+    for (r, row) in p.chunks_exact_mut(n).enumerate() {
         let (seen, masked) = row.split_at_mut(visible(r, group, len, n));
         let max = max(seen);
         for x in seen.iter_mut() {
@@ -223,16 +242,7 @@ fn block_forward<T: CpuFloat>(
         masked.fill(T::ZERO);
         lse.push(max + sum.ln());
     }
-    let mut out = vec![T::ZERO; m * d];
-    let values = Matmul {
-        m,
-        n: d,
-        k: n,
-        trans_a: false,
-        trans_b: false,
-    };
-    gemm_serial(&mut out, &s.p, &s.v, values, false, T::ONE);
-    (out, lse)
+    lse
 }
 
 /// [`block_forward`] one score row at a time, each by the same fixed sequence of
@@ -338,23 +348,7 @@ fn block_backward<T: CpuFloat>(
     s.dp.resize(m * n, T::ZERO);
     gemm_serial(&mut s.p, &s.q, &s.k, scores, false, scale);
     gemm_serial(&mut s.dp, &s.dout, &s.v, scores, false, T::ONE);
-    // p = exp(s − lse); ds = p (dp − rowsum(dO ∘ O)), the softmax Jacobian applied to dp.
-    for (r, (p, dp)) in
-        s.p.chunks_exact_mut(n)
-            .zip(s.dp.chunks_exact_mut(n))
-            .enumerate()
-    {
-        let seen = visible(r, group, len, n);
-        let delta = dot(&s.dout[r * d..(r + 1) * d], &s.out[r * d..(r + 1) * d]);
-        let (p_seen, p_masked) = p.split_at_mut(seen);
-        let (dp_seen, dp_masked) = dp.split_at_mut(seen);
-        for (p, dp) in p_seen.iter_mut().zip(dp_seen.iter_mut()) {
-            *p = (*p - lse[r]).exp_vec();
-            *dp = *p * (*dp - delta);
-        }
-        p_masked.fill(T::ZERO);
-        dp_masked.fill(T::ZERO);
-    }
+    wide(|| causal_softmax_backward(s, lse, d, group, len));
     let mut dq = vec![T::ZERO; m * d];
     let mut dk = vec![T::ZERO; n * d];
     let mut dv = vec![T::ZERO; n * d];
@@ -376,6 +370,36 @@ fn block_backward<T: CpuFloat>(
     gemm_serial(&mut dk, &s.dp, &s.q, to_keys, false, scale);
     gemm_serial(&mut dv, &s.p, &s.dout, to_keys, false, T::ONE);
     [dq, dk, dv]
+}
+
+/// `s.p` (scores) becomes `p = exp(s − lse)` and `s.dp` (`dO·Vᵀ`) becomes
+/// `ds = p (dp − rowsum(dO ∘ O))`, the softmax Jacobian applied to dp; zero past each
+/// row's visible keys.
+#[inline(always)]
+fn causal_softmax_backward<T: CpuFloat>(
+    s: &mut Scratch<T>,
+    lse: &[T],
+    d: usize,
+    group: usize,
+    len: usize,
+) {
+    let n = s.keys.len();
+    for (r, (p, dp)) in
+        s.p.chunks_exact_mut(n)
+            .zip(s.dp.chunks_exact_mut(n))
+            .enumerate()
+    {
+        let seen = visible(r, group, len, n);
+        let delta = dot(&s.dout[r * d..(r + 1) * d], &s.out[r * d..(r + 1) * d]);
+        let (p_seen, p_masked) = p.split_at_mut(seen);
+        let (dp_seen, dp_masked) = dp.split_at_mut(seen);
+        for (p, dp) in p_seen.iter_mut().zip(dp_seen.iter_mut()) {
+            *p = (*p - lse[r]).exp_vec();
+            *dp = *p * (*dp - delta);
+        }
+        p_masked.fill(T::ZERO);
+        dp_masked.fill(T::ZERO);
+    }
 }
 
 /// Backward of packed causal attention; see [`crate::Backend::attention_backward`].
@@ -508,6 +532,72 @@ impl PagedIndex<'_> {
     }
 }
 
+/// A block of one query token (a decoded token) read straight from the cache rows
+/// `s.keys`: gathering its keys and values and multiplying them by the gemm crate's
+/// packed kernels at `m = group` cost several times the arithmetic (copies, packing),
+/// which made gathering most of a decode step's attention. Returns its `[group, D]`
+/// outputs; the same sums as [`block_forward`] up to their order. Inlined into a
+/// [`wide`] call.
+#[inline(always)]
+fn decode_forward<T: CpuFloat>(
+    s: &mut Scratch<T>,
+    k_cache: &[T],
+    v_cache: &[T],
+    kv_head: usize,
+    heads: &Heads,
+    scale: T,
+) -> Vec<T> {
+    let (d, group, n) = (heads.head_dim, heads.group, s.keys.len());
+    let (stride, offset) = (heads.kv_heads * d, kv_head * d);
+    let at = |slot: usize| slot * stride + offset..slot * stride + offset + d;
+    // `[group, keys]` scores, each key row read once for the group's query heads.
+    s.p.resize(group * n, T::ZERO);
+    for (j, &slot) in s.keys.iter().enumerate() {
+        let k = &k_cache[at(slot)];
+        for (r, q) in s.q.chunks_exact(d).enumerate() {
+            s.p[r * n + j] = dot(q, k) * scale;
+        }
+    }
+    for p in s.p.chunks_exact_mut(n) {
+        let max = max(p);
+        for x in p.iter_mut() {
+            *x = (*x - max).exp_vec();
+        }
+        let inv = T::ONE / sum(p);
+        for x in p.iter_mut() {
+            *x *= inv;
+        }
+    }
+    // Each output row in columns of up to `COLUMNS`, summed over the keys in order in a
+    // fixed-size accumulator the compiler keeps in registers (summed in place, the row
+    // went through memory at every key).
+    const COLUMNS: usize = 32;
+    let mut out = vec![T::ZERO; group * d];
+    for (p, out) in s.p.chunks_exact(n).zip(out.chunks_exact_mut(d)) {
+        for (c, out) in out.chunks_mut(COLUMNS).enumerate() {
+            let mut acc = [T::ZERO; COLUMNS];
+            let width = out.len();
+            let columns = |slot: usize| &v_cache[at(slot)][c * COLUMNS..][..width];
+            if width == COLUMNS {
+                for (&p, &slot) in p.iter().zip(&s.keys) {
+                    let v: &[T; COLUMNS] = columns(slot).try_into().expect("COLUMNS wide");
+                    for i in 0..COLUMNS {
+                        acc[i] += p * v[i];
+                    }
+                }
+            } else {
+                for (&p, &slot) in p.iter().zip(&s.keys) {
+                    for (a, &v) in acc.iter_mut().zip(columns(slot)) {
+                        *a += p * v;
+                    }
+                }
+            }
+            out.copy_from_slice(&acc[..width]);
+        }
+    }
+    out
+}
+
 /// Attention of each query token over its sequence's cached positions `0..=pos`;
 /// `invariant` computes each query row alone (see the module docs).
 pub(crate) fn paged<T: CpuFloat>(
@@ -532,6 +622,12 @@ pub(crate) fn paged<T: CpuFloat>(
         .map_init(Scratch::default, |s, b| -> Result<Vec<T>> {
             index.keys(b, &mut s.keys)?;
             heads.gather_q(&mut s.q, q, b);
+            if b.len == 1 && !invariant {
+                let (kv_head, heads) = (b.kv_head, &heads);
+                return Ok(wide(|| {
+                    decode_forward(s, k_cache, v_cache, kv_head, heads, scale)
+                }));
+            }
             heads.gather_kv(&mut s.k, k_cache, b, &s.keys);
             heads.gather_kv(&mut s.v, v_cache, b, &s.keys);
             Ok(block_forward(s, b.len, &heads, scale).0)
@@ -574,7 +670,8 @@ mod tests {
 
     /// One softmax per query row over `keys[t]` (rows of k/v), f64.
     fn naive(q: &[f64], k: &[f64], v: &[f64], keys: &[Vec<usize>], scale: f64) -> Vec<f64> {
-        let (hq, hkv, d) = SHAPE;
+        let (hq, hkv) = (SHAPE.0, SHAPE.1);
+        let d = q.len() / (keys.len() * hq);
         let mut out = vec![0.0; q.len()];
         for (t, keys) in keys.iter().enumerate() {
             for h in 0..hq {
@@ -801,7 +898,14 @@ mod tests {
     /// as a 100-token prefill chunk (two blocks) and single tokens out of position order.
     #[test]
     fn paged_matches_one_softmax_per_row() {
-        let (hq, hkv, d) = SHAPE;
+        // Head dims of 8 and 40 (decode_forward's 32-column accumulators, whole and cut).
+        for d in [SHAPE.2, 40] {
+            paged_matches_one_softmax_per_row_at(d);
+        }
+    }
+
+    fn paged_matches_one_softmax_per_row_at(d: usize) {
+        let (hq, hkv) = (SHAPE.0, SHAPE.1);
         let block_size = 16;
         let max_blocks = 10;
         let tables: Vec<u32> = [
@@ -841,9 +945,16 @@ mod tests {
         let want = naive(&q, &k_cache, &v_cache, &keys, 0.4_f32 as f64);
         for invariant in [false, true] {
             let mut out = vec![0.0; q.len()];
-            let shape = shape(tokens);
+            let shape = AttnShape {
+                head_dim: d,
+                ..shape(tokens)
+            };
             paged(&mut out, &q, &k_cache, &v_cache, &index, shape, invariant).unwrap();
-            assert!(max_diff(&out, &want) < 1e-13, "{}", max_diff(&out, &want));
+            assert!(
+                max_diff(&out, &want) < 1e-13,
+                "d {d}: {}",
+                max_diff(&out, &want)
+            );
         }
     }
 }

@@ -166,6 +166,27 @@ fn exp_f32(x: f32) -> f32 {
     }
 }
 
+/// Runs `f` compiled for AVX-512 where the CPU has it (checked at run time), else for
+/// the x86-64 baseline: loops that `f` inlines (exp, softmax, SwiGLU) then run 16 lanes
+/// wide instead of SSE2's 4. Rust neither reorders nor fuses float operations, so the
+/// results are the same bits either way. Only code inlined into `f` is recompiled:
+/// pass a closure that calls `#[inline(always)]` functions.
+#[inline(always)]
+pub(crate) fn wide<R>(f: impl FnOnce() -> R) -> R {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx512f") {
+        // SAFETY: the CPU has AVX-512F, checked just above.
+        return unsafe { avx512(f) };
+    }
+    f()
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn avx512<R>(f: impl FnOnce() -> R) -> R {
+    f()
+}
+
 /// Independent partial sums in [`dot`] and [`sum`]: one serial chain of additions runs at
 /// the adder's latency; eight fill a vector register and run at its throughput.
 const LANES: usize = 8;

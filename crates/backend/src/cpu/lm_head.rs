@@ -7,7 +7,7 @@
 
 use rayon::prelude::*;
 
-use super::float::{max, CpuFloat};
+use super::float::{max, wide, CpuFloat};
 use super::gemm;
 use super::invariant::matmul_xwt;
 use crate::{LmHead, Matmul};
@@ -22,6 +22,7 @@ fn chunks(spec: &LmHead) -> impl Iterator<Item = (usize, usize)> {
 
 /// `(Σ w_j, Σ w_j (z_j − shift))` accumulated in f64, in independent lanes so the loop
 /// vectorises.
+#[inline(always)]
 fn sums_f64<T: CpuFloat>(w: &[T], z: &[T], shift: T) -> (f64, f64) {
     const LANES: usize = 8;
     let (mut sum, mut weighted) = ([0.0_f64; LANES], [0.0_f64; LANES]);
@@ -74,7 +75,8 @@ fn chunk_logits<T: CpuFloat>(
 }
 
 /// Log-prob of `target`, entropy and log-sum-exp of one row of scaled logits `z`;
-/// `e` is scratch.
+/// `e` is scratch. Inlined, so that [`forward`]'s [`wide`] call recompiles it.
+#[inline(always)]
 fn row_stats<T: CpuFloat>(z: &[T], target: u32, e: &mut Vec<T>) -> (T, T, T) {
     let max = max(z);
     e.clear();
@@ -86,6 +88,27 @@ fn row_stats<T: CpuFloat>(z: &[T], target: u32, e: &mut Vec<T>) -> (T, T, T) {
     // H = −Σ p (z − lse) = lse − Σ p z = (lse − max) − Σ p (z − max).
     let entropy = T::from_f64(sum.ln() - weighted / sum);
     (z[target as usize] - row_lse, entropy, row_lse)
+}
+
+/// Overwrites a row of scaled logits `z` with the gradient of its log-prob of `target`
+/// and its entropy, `(d_logprob, d_entropy)`, with respect to the unscaled logits; `p`
+/// is scratch. Inlined, so that [`backward`]'s [`wide`] call recompiles it.
+#[inline(always)]
+fn row_grad<T: CpuFloat>(
+    z: &mut [T],
+    p: &mut Vec<T>,
+    target: u32,
+    (g_lp, g_h): (T, T),
+    row_lse: T,
+    scale: T,
+) {
+    p.clear();
+    p.extend(z.iter().map(|&z| (z - row_lse).exp_vec()));
+    let mean_z = T::from_f64(sums_f64(p, z, T::ZERO).1);
+    for (z, &p) in z.iter_mut().zip(p.iter()) {
+        *z = scale * (-g_lp * p - g_h * p * (*z - mean_z));
+    }
+    z[target as usize] += scale * g_lp;
 }
 
 /// The log-probs of `targets` that the batch-invariant [`forward`] computes for a row
@@ -134,7 +157,7 @@ pub(crate) fn forward<T: CpuFloat>(
             .zip(lse[range.clone()].par_iter_mut())
             .zip(targets[range].par_iter())
             .for_each_init(Vec::new, |e, ((((z, lp), ent), lse), &target)| {
-                (*lp, *ent, *lse) = row_stats(z, target, e);
+                (*lp, *ent, *lse) = wide(|| row_stats(z, target, e));
             });
     }
 }
@@ -169,14 +192,8 @@ pub(crate) fn backward<T: CpuFloat>(
             .enumerate()
             .for_each_init(Vec::new, |p, (r, g)| {
                 let t = start + r;
-                let (g_lp, g_h, row_lse) = (dlogprobs[t], dentropy[t], lse[t]);
-                p.clear();
-                p.extend(g.iter().map(|&z| (z - row_lse).exp_vec()));
-                let mean_z = T::from_f64(sums_f64(p, g, T::ZERO).1);
-                for (z, &p) in g.iter_mut().zip(p.iter()) {
-                    *z = scale * (-g_lp * p - g_h * p * (*z - mean_z));
-                }
-                g[targets[t] as usize] += scale * g_lp;
+                let grads = (dlogprobs[t], dentropy[t]);
+                wide(|| row_grad(g, p, targets[t], grads, lse[t], scale));
             });
         let dh = Matmul {
             m: rows,

@@ -70,6 +70,12 @@ impl<T: CpuFloat> CpuBackend<T> {
 /// small and the inner loop vectorises, small enough to split a layer's activations.
 const ELEMENTWISE_CHUNK: usize = 1 << 13;
 
+/// Elementwise and per-row ops over fewer values than this run on the calling thread.
+/// Ops are called from outside rayon's pool, so a parallel one hands its work to the
+/// pool and sleeps until it is done: two thread wake-ups, which cost more than a decode
+/// step's small ops (a batch of 128 rows of 128) take on one thread.
+const PARALLEL_ELEMENTS: usize = 1 << 16;
+
 /// Products smaller than this many multiply-adds run on one thread.
 const PARALLEL_GEMM_FLOPS: usize = 1 << 18;
 
@@ -162,9 +168,38 @@ fn gemm_on<T: CpuFloat>(
 
 /// `out[i, :] = x[rows[i], :]`, rows of `dim`; checked by the caller.
 fn gather<T: CpuFloat>(out: &mut [T], x: &[T], rows: &[u32], dim: usize) {
-    out.par_chunks_mut(dim)
-        .zip(rows.par_iter())
-        .for_each(|(o, &r)| o.copy_from_slice(&x[r as usize * dim..(r as usize + 1) * dim]));
+    let copy =
+        |(o, &r): (&mut [T], &u32)| o.copy_from_slice(&x[r as usize * dim..(r as usize + 1) * dim]);
+    if out.len() < PARALLEL_ELEMENTS {
+        out.chunks_mut(dim).zip(rows).for_each(copy);
+    } else {
+        out.par_chunks_mut(dim).zip(rows.par_iter()).for_each(copy);
+    }
+}
+
+/// `out = silu(gate) · up` elementwise; inlined into a [`float::wide`] call.
+#[inline(always)]
+fn swiglu_chunk<T: CpuFloat>(out: &mut [T], gate: &[T], up: &[T]) {
+    for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
+        *o = g / (T::ONE + (-g).exp_vec()) * u;
+    }
+}
+
+/// The gradients of [`swiglu_chunk`]: silu(g) = g σ(g), silu'(g) = σ(g) (1 + g (1 − σ(g))).
+#[inline(always)]
+fn swiglu_backward_chunk<T: CpuFloat>(
+    dgate: &mut [T],
+    dup: &mut [T],
+    dout: &[T],
+    gate: &[T],
+    up: &[T],
+) {
+    let inputs = dout.iter().zip(gate).zip(up);
+    for ((dg, du), ((&d, &g), &u)) in dgate.iter_mut().zip(dup).zip(inputs) {
+        let sig = T::ONE / (T::ONE + (-g).exp_vec());
+        *du = d * g * sig;
+        *dg = d * u * sig * (T::ONE + g * (T::ONE - sig));
+    }
 }
 
 // ---- argument kinds --------------------------------------------------------------------
@@ -471,13 +506,18 @@ impl<T: CpuFloat> Backend for CpuBackend<T> {
         let x = floats(OP, "x", x)?;
         let y = floats_mut(OP, "y", y)?;
         contract::add_assign(y.len(), x.len())?;
-        y.par_chunks_mut(ELEMENTWISE_CHUNK)
-            .zip(x.par_chunks(ELEMENTWISE_CHUNK))
-            .for_each(|(y, x)| {
-                for (y, &x) in y.iter_mut().zip(x) {
-                    *y += x;
-                }
-            });
+        let add = |(y, x): (&mut [T], &[T])| {
+            for (y, &x) in y.iter_mut().zip(x) {
+                *y += x;
+            }
+        };
+        if y.len() < PARALLEL_ELEMENTS {
+            add((y, x));
+        } else {
+            y.par_chunks_mut(ELEMENTWISE_CHUNK)
+                .zip(x.par_chunks(ELEMENTWISE_CHUNK))
+                .for_each(add);
+        }
         Ok(())
     }
 
@@ -643,17 +683,25 @@ impl<T: CpuFloat> Backend for CpuBackend<T> {
             return Ok(());
         }
         let (eps, n) = (T::from_f32(eps), T::from_f64(dim as f64));
-        out.par_chunks_mut(dim)
-            .zip(rstd.par_iter_mut())
-            .zip(x.par_chunks(dim))
-            .for_each(|((out, rstd), x)| {
-                let mean_sq = float::dot(x, x) / n;
-                let r = T::ONE / (mean_sq + eps).sqrt();
-                *rstd = r;
-                for ((o, &x), &w) in out.iter_mut().zip(x).zip(w) {
-                    *o = x * r * w;
-                }
-            });
+        let norm = |((out, rstd), x): ((&mut [T], &mut T), &[T])| {
+            let mean_sq = float::dot(x, x) / n;
+            let r = T::ONE / (mean_sq + eps).sqrt();
+            *rstd = r;
+            for ((o, &x), &w) in out.iter_mut().zip(x).zip(w) {
+                *o = x * r * w;
+            }
+        };
+        if x.len() < PARALLEL_ELEMENTS {
+            out.chunks_mut(dim)
+                .zip(rstd.iter_mut())
+                .zip(x.chunks(dim))
+                .for_each(norm);
+        } else {
+            out.par_chunks_mut(dim)
+                .zip(rstd.par_iter_mut())
+                .zip(x.par_chunks(dim))
+                .for_each(norm);
+        }
         Ok(())
     }
 
@@ -748,35 +796,48 @@ impl<T: CpuFloat> Backend for CpuBackend<T> {
         distinct.dedup();
         // [distinct, half] (cos, sin) pairs; the sine negated for the inverse rotation.
         let mut table = vec![(T::ZERO, T::ZERO); distinct.len() * half];
-        table
-            .par_chunks_mut(half)
-            .zip(distinct.par_iter())
-            .for_each(|(angles, &pos)| {
-                let pos = T::from_f64(pos as f64);
-                for ((cos, sin), &f) in angles.iter_mut().zip(inv_freq) {
-                    // The angle is formed in the storage float, as HF forms it in f32.
-                    let angle = pos * f;
-                    *cos = angle.cos();
-                    *sin = if inverse { -angle.sin() } else { angle.sin() };
+        let serial = x.len() < PARALLEL_ELEMENTS;
+        let fill = |(angles, &pos): (&mut [(T, T)], &u32)| {
+            let pos = T::from_f64(pos as f64);
+            for ((cos, sin), &f) in angles.iter_mut().zip(inv_freq) {
+                // The angle is formed in the storage float, as HF forms it in f32.
+                let angle = pos * f;
+                *cos = angle.cos();
+                *sin = if inverse { -angle.sin() } else { angle.sin() };
+            }
+        };
+        if serial {
+            table.chunks_mut(half).zip(&distinct).for_each(fill);
+        } else {
+            table
+                .par_chunks_mut(half)
+                .zip(distinct.par_iter())
+                .for_each(fill);
+        }
+        let rotate = |(x_t, &pos): (&mut [T], &u32)| {
+            let at = distinct
+                .binary_search(&pos)
+                .expect("every position is listed")
+                * half;
+            let angles = &table[at..at + half];
+            for head in x_t.chunks_exact_mut(head_dim) {
+                let (lo, hi) = head.split_at_mut(half);
+                for ((a, b), &(cos, sin)) in lo.iter_mut().zip(hi.iter_mut()).zip(angles) {
+                    let (x, y) = (*a, *b);
+                    *a = x * cos - y * sin;
+                    *b = y * cos + x * sin;
                 }
-            });
-        x.par_chunks_mut(heads * head_dim)
-            .zip(positions.par_iter())
-            .for_each(|(x_t, &pos)| {
-                let at = distinct
-                    .binary_search(&pos)
-                    .expect("every position is listed")
-                    * half;
-                let angles = &table[at..at + half];
-                for head in x_t.chunks_exact_mut(head_dim) {
-                    let (lo, hi) = head.split_at_mut(half);
-                    for ((a, b), &(cos, sin)) in lo.iter_mut().zip(hi.iter_mut()).zip(angles) {
-                        let (x, y) = (*a, *b);
-                        *a = x * cos - y * sin;
-                        *b = y * cos + x * sin;
-                    }
-                }
-            });
+            }
+        };
+        if serial {
+            x.chunks_mut(heads * head_dim)
+                .zip(positions)
+                .for_each(rotate);
+        } else {
+            x.par_chunks_mut(heads * head_dim)
+                .zip(positions.par_iter())
+                .for_each(rotate);
+        }
         Ok(())
     }
 
@@ -955,14 +1016,17 @@ impl<T: CpuFloat> Backend for CpuBackend<T> {
         let up = floats(OP, "up", up)?;
         let out = floats_mut(OP, "out", out)?;
         contract::swiglu_forward(out.len(), gate.len(), up.len())?;
-        out.par_chunks_mut(ELEMENTWISE_CHUNK)
-            .zip(gate.par_chunks(ELEMENTWISE_CHUNK))
-            .zip(up.par_chunks(ELEMENTWISE_CHUNK))
-            .for_each(|((out, gate), up)| {
-                for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
-                    *o = g / (T::ONE + (-g).exp_vec()) * u;
-                }
-            });
+        let swiglu = |((out, gate), up): ((&mut [T], &[T]), &[T])| {
+            float::wide(|| swiglu_chunk(out, gate, up))
+        };
+        if out.len() < PARALLEL_ELEMENTS {
+            swiglu(((out, gate), up));
+        } else {
+            out.par_chunks_mut(ELEMENTWISE_CHUNK)
+                .zip(gate.par_chunks(ELEMENTWISE_CHUNK))
+                .zip(up.par_chunks(ELEMENTWISE_CHUNK))
+                .for_each(swiglu);
+        }
         Ok(())
     }
 
@@ -981,7 +1045,6 @@ impl<T: CpuFloat> Backend for CpuBackend<T> {
         let dgate = floats_mut(OP, "dgate", dgate)?;
         let dup = floats_mut(OP, "dup", dup)?;
         contract::swiglu_backward(dgate.len(), dup.len(), dout.len(), gate.len(), up.len())?;
-        // silu(g) = g σ(g), silu'(g) = σ(g) (1 + g (1 − σ(g))).
         let chunk = ELEMENTWISE_CHUNK;
         dgate
             .par_chunks_mut(chunk)
@@ -989,12 +1052,7 @@ impl<T: CpuFloat> Backend for CpuBackend<T> {
             .zip(dout.par_chunks(chunk))
             .zip(gate.par_chunks(chunk).zip(up.par_chunks(chunk)))
             .for_each(|(((dgate, dup), dout), (gate, up))| {
-                let inputs = dout.iter().zip(gate).zip(up);
-                for ((dg, du), ((&d, &g), &u)) in dgate.iter_mut().zip(dup).zip(inputs) {
-                    let sig = T::ONE / (T::ONE + (-g).exp_vec());
-                    *du = d * g * sig;
-                    *dg = d * u * sig * (T::ONE + g * (T::ONE - sig));
-                }
+                float::wide(|| swiglu_backward_chunk(dgate, dup, dout, gate, up))
             });
         Ok(())
     }
