@@ -112,7 +112,9 @@ pub struct LocalEngineOptions {
     pub optimizer_placement: OptimizerPlacement,
     /// ZeRO stage of a data-parallel engine (`engine.zero_stage`): 0 keeps the whole
     /// optimizer state on every rank; 1 splits the f32 masters and AdamW moments over the
-    /// ranks ([`Policy::shard_optimizer`]). One rank has nothing to split.
+    /// ranks ([`Policy::shard_optimizer`]); 2 splits the f32 gradients too
+    /// ([`Policy::shard_gradients`]). An engine without a collective has nothing to
+    /// split and ignores it; a group of one rank runs the sharded code on whole shards.
     pub zero_stage: u8,
 }
 
@@ -374,11 +376,11 @@ impl<B: Backend> LocalEngine<B> {
                 "speculative_ngram: {problem}"
             )));
         }
-        if options.zero_stage > 1 {
+        if options.zero_stage > 2 {
             return Err(Error::InvalidRequest(format!(
-                "engine.zero_stage = {}: stages 0 (replicated optimizer state) and 1 \
-                 (optimizer state split over the ranks) exist; stage 3 is planned \
-                 (docs/distributed.md)",
+                "engine.zero_stage = {}: stages 0 (replicated optimizer state), 1 \
+                 (optimizer state split over the ranks) and 2 (gradients split too) exist; \
+                 stage 3 is planned (docs/distributed.md)",
                 options.zero_stage
             )));
         }
@@ -411,7 +413,7 @@ impl<B: Backend> LocalEngine<B> {
             &options,
             gate.as_ref().map_or(0, Gate::reserved),
             match &collective {
-                Some(c) if options.zero_stage == 1 => (c.world_size(), c.world_size()),
+                Some(c) if options.zero_stage >= 1 => (c.world_size(), c.world_size()),
                 Some(c) => (1, c.world_size()),
                 None => (1, 1),
             },
@@ -422,8 +424,11 @@ impl<B: Backend> LocalEngine<B> {
             policy.broadcast_weights(&**collective, 0)?;
         }
         match &collective {
-            Some(collective) if options.zero_stage == 1 => {
-                policy.shard_optimizer(Arc::clone(collective), options.optimizer_placement)?
+            Some(collective) if options.zero_stage >= 1 => {
+                policy.shard_optimizer(Arc::clone(collective), options.optimizer_placement)?;
+                if options.zero_stage == 2 {
+                    policy.shard_gradients()?;
+                }
             }
             _ => policy.set_optimizer_placement(options.optimizer_placement)?,
         }
@@ -517,6 +522,24 @@ impl<B: Backend> LocalEngine<B> {
             max_tokens_per_microbatch: self.options.max_tokens_per_microbatch,
             mode: PackingMode::Shared,
         }
+    }
+
+    /// A rank whose gradients are sharded reduces them at every backward, with every
+    /// other rank: after its `ran` backwards of a call it runs as many of zeros as the
+    /// rank with the most micro-batches in the call ran more.
+    fn even_out_backwards(&mut self, ran: usize) -> Result<()> {
+        let Some(dp) = self
+            .data_parallel
+            .as_ref()
+            .filter(|_| self.policy.shards_gradients())
+        else {
+            return Ok(());
+        };
+        let most = dp.max(ran)?;
+        for _ in ran..most {
+            self.policy.reduce_empty_backward()?;
+        }
+        Ok(())
     }
 
     /// Ranks the optimizer state is split over (1 when it is whole), and ranks in all.
@@ -628,6 +651,7 @@ impl<B: Backend> LocalEngine<B> {
             self.policy
                 .forward_backward(&mb.batch, logit_scale, &mut grad)?;
         }
+        self.even_out_backwards(micro_batches.len())?;
         match &self.data_parallel {
             Some(dp) => dp.policy_output(loss, &metrics),
             None => Ok(ForwardBackwardOutput {
@@ -683,6 +707,7 @@ impl<B: Backend> LocalEngine<B> {
             self.policy
                 .forward_backward(&mb.batch, logit_scale, &mut grad)?;
         }
+        self.even_out_backwards(micro_batches.len())?;
         if let Some(dp) = &self.data_parallel {
             loss = dp.sum(loss)?;
         }
@@ -732,6 +757,7 @@ impl<B: Backend> LocalEngine<B> {
             self.policy
                 .forward_backward(&mb.batch, logit_scale, &mut grad)?;
         }
+        self.even_out_backwards(micro_batches.len())?;
         if let Some(dp) = &self.data_parallel {
             loss = dp.sum(loss)?;
         }
@@ -1031,12 +1057,18 @@ impl<B: Backend> Engine for LocalEngine<B> {
             Policy::load_lora(current.share_base()?, dir, self.options.optimizer_placement)?
         } else {
             match &self.data_parallel {
-                Some(dp) if self.policy.is_sharded() => Policy::load_sharded(
-                    Arc::clone(&backend),
-                    dir,
-                    self.options.optimizer_placement,
-                    Arc::clone(&dp.collective),
-                )?,
+                Some(dp) if self.policy.is_sharded() => {
+                    let mut policy = Policy::load_sharded(
+                        Arc::clone(&backend),
+                        dir,
+                        self.options.optimizer_placement,
+                        Arc::clone(&dp.collective),
+                    )?;
+                    if self.policy.shards_gradients() {
+                        policy.shard_gradients()?;
+                    }
+                    policy
+                }
                 _ => Policy::load(Arc::clone(&backend), dir, self.options.optimizer_placement)?,
             }
         };
@@ -1579,6 +1611,7 @@ fn memory_plan<B: Backend>(
         device: options.device,
         placement: options.optimizer_placement,
         optimizer_shards,
+        gradient_shards: options.zero_stage == 2,
         data_parallel_ranks,
         recompute: options.recompute,
         kv_cache_tokens_wanted: options.kv_cache_tokens_wanted,
