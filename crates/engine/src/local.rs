@@ -525,21 +525,14 @@ impl<B: Backend> LocalEngine<B> {
     }
 
     /// A rank whose gradients are sharded reduces them at every backward, with every
-    /// other rank: after its `ran` backwards of a call it runs as many of zeros as the
-    /// rank with the most micro-batches in the call ran more.
-    fn even_out_backwards(&mut self, ran: usize) -> Result<()> {
-        let Some(dp) = self
-            .data_parallel
-            .as_ref()
-            .filter(|_| self.policy.shards_gradients())
-        else {
-            return Ok(());
-        };
-        let most = dp.max(ran)?;
-        for _ in ran..most {
-            self.policy.reduce_empty_backward()?;
+    /// other rank, so all run as many backwards in a call: after its own `backwards` it
+    /// runs this many of zeros (the most any rank runs, less its own). Every rank asks
+    /// before its first backward; 0 where gradients are not sharded.
+    fn backwards_short_of_most(&self, backwards: usize) -> Result<usize> {
+        match &self.data_parallel {
+            Some(dp) if self.policy.shards_gradients() => Ok(dp.max(backwards)? - backwards),
+            _ => Ok(0),
         }
-        Ok(())
     }
 
     /// Ranks the optimizer state is split over (1 when it is whole), and ranks in all.
@@ -615,6 +608,7 @@ impl<B: Backend> LocalEngine<B> {
             None => (norm, 0),
         };
         let micro_batches = pack_rollouts(&rollout_groups(groups), self.packing())?;
+        let missing = self.backwards_short_of_most(micro_batches.len())?;
         let mut loss = 0.0;
         let mut metrics = Vec::with_capacity(micro_batches.len());
         for mb in &micro_batches {
@@ -651,7 +645,9 @@ impl<B: Backend> LocalEngine<B> {
             self.policy
                 .forward_backward(&mb.batch, logit_scale, &mut grad)?;
         }
-        self.even_out_backwards(micro_batches.len())?;
+        for _ in 0..missing {
+            self.policy.reduce_empty_backward()?;
+        }
         match &self.data_parallel {
             Some(dp) => dp.policy_output(loss, &metrics),
             None => Ok(ForwardBackwardOutput {
@@ -692,6 +688,7 @@ impl<B: Backend> LocalEngine<B> {
             0.0
         };
         let micro_batches = pack_rollouts(&rollout_groups(groups), self.packing())?;
+        let missing = self.backwards_short_of_most(micro_batches.len())?;
         let mut loss = 0.0;
         for mb in &micro_batches {
             let mut grad = |stats: &TokenStats| -> ModelResult<(Vec<f64>, Vec<f64>)> {
@@ -707,7 +704,9 @@ impl<B: Backend> LocalEngine<B> {
             self.policy
                 .forward_backward(&mb.batch, logit_scale, &mut grad)?;
         }
-        self.even_out_backwards(micro_batches.len())?;
+        for _ in 0..missing {
+            self.policy.reduce_empty_backward()?;
+        }
         if let Some(dp) = &self.data_parallel {
             loss = dp.sum(loss)?;
         }
@@ -734,6 +733,7 @@ impl<B: Backend> LocalEngine<B> {
             }
         }
         let micro_batches = pack_rollouts(&rollout_groups(groups), self.packing())?;
+        let missing = self.backwards_short_of_most(micro_batches.len())?;
         let mut loss = 0.0;
         for mb in &micro_batches {
             let mut grad = |stats: &TokenStats| -> ModelResult<(Vec<f64>, Vec<f64>)> {
@@ -757,7 +757,9 @@ impl<B: Backend> LocalEngine<B> {
             self.policy
                 .forward_backward(&mb.batch, logit_scale, &mut grad)?;
         }
-        self.even_out_backwards(micro_batches.len())?;
+        for _ in 0..missing {
+            self.policy.reduce_empty_backward()?;
+        }
         if let Some(dp) = &self.data_parallel {
             loss = dp.sum(loss)?;
         }

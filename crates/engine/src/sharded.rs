@@ -356,13 +356,6 @@ impl<B: Backend> ShardedOptimizer<B> {
         lens: &[usize],
         from_masters: bool,
     ) -> Result<Self> {
-        if model.lora_config().is_some() {
-            return Err(Error::InvalidRequest(
-                "engine.zero_stage 1 and 2 shard full-parameter training; a LoRA \
-                 engine's optimizer state and gradients are small: leave zero_stage at 0"
-                    .into(),
-            ));
-        }
         let backend = Arc::clone(model.backend());
         let mut has_compute = false;
         model.visit_weights(&mut |_, slot| {
@@ -794,8 +787,15 @@ pub(crate) fn shard_file(rank: usize, world_size: usize) -> String {
     format!("optimizer-rank-{rank}-of-{world_size}.safetensors")
 }
 
-/// Names and lengths of the trained parameters in visit order.
+/// Names and lengths of the trained parameters in visit order; refused for a LoRA model.
 fn layout<B: Backend>(model: &mut Transformer<B>) -> Result<(Vec<String>, Vec<usize>)> {
+    if model.lora_config().is_some() {
+        return Err(Error::InvalidRequest(
+            "engine.zero_stage 1 and 2 shard full-parameter training; a LoRA engine's \
+             optimizer state and gradients are small: leave zero_stage at 0"
+                .into(),
+        ));
+    }
     let backend = Arc::clone(model.backend());
     let (mut names, mut lens) = (Vec::new(), Vec::new());
     model.visit_weights(&mut |name, slot| {
