@@ -192,7 +192,7 @@ impl MemoryPlan {
                 .sum();
             let vocab = model.vocab_size * model.hidden_size;
             device.push(item(
-                "gradients of one layer + embedding (f32)",
+                "one layer's gradients + vocab (f32)",
                 (layer + vocab + model.hidden_size) * full,
             ));
         } else {
