@@ -4,15 +4,16 @@
 #   collective  the NCCL collective against the in-process one on every visible GPU, and
 #               its watchdog (crates/backend/tests/cuda_collective.rs)
 #   train       `floe launch --gpus N -- train` of the embedded recipe on the GPUs, with
-#               the optimizer replicated (zero_stage 0) and split (zero_stage 1), against
-#               one GPU: every metric within tolerance (sums in another order), and the
-#               zero_stage 1 run resumed from its step-3 checkpoint on N/2 GPUs and on one
+#               the optimizer replicated (zero_stage 0) and split (zero_stage 1), and the
+#               gradients split too (zero_stage 2), against one GPU: every metric within
+#               tolerance (sums in another order); the zero_stage 1 run resumed from its
+#               step-3 checkpoint on N/2 GPUs and on one, the zero_stage 2 run's at stage 1
 #   kill        N ranks started as torchrun would (not `floe launch`, which stops the others
 #               itself); rank 1 is killed with SIGKILL after the first checkpoint; every
 #               other rank must exit within seconds naming rank 1 (the liveness links),
 #               at the latest within FLOE_NCCL_TIMEOUT_SECS + the grace period
 #   scale       `floe bench train` at the 1.7B shape, 8 x 2048 tokens a GPU with
-#               recompute, on one GPU and on N (zero stage 0 and 1): tokens/s per GPU and
+#               recompute, on one GPU and on N (zero stage 0, 1 and 2): tokens/s per GPU and
 #               the scaling; `floe bench generate` on every GPU at once (per-GPU new tok/s)
 #   tp          `floe bench generate --tensor-parallel` over the N GPUs: the 8B shape
 #               against one GPU, and the 32B shape, whose bf16 weights (65 GB) leave one
@@ -102,6 +103,12 @@ if part train; then
       trainer.resume="$PWD/runs/zero1/checkpoints/global_step_3"
     compare "zero stage 1 resumed on $gpus GPUs vs straight on $N" runs/zero1-on-$gpus runs/zero1 4
   done
+  run 150 train "$N" runs/zero2 engine.zero_stage=2
+  compare "zero stage 2 on $N GPUs vs one" runs/zero2 runs/one 1
+  run 150 train "$half" runs/zero2-on-$half engine.zero_stage=1 \
+    trainer.resume="$PWD/runs/zero2/checkpoints/global_step_3"
+  compare "zero stage 2 resumed at stage 1 on $half GPUs vs straight on $N" \
+    runs/zero2-on-$half runs/zero2 4
 fi
 
 if part kill && [ "$N" -ge 2 ]; then
@@ -141,6 +148,7 @@ if part scale; then
   TAIL=4 run 120 ./floe "${bench[@]}"
   TAIL=4 run 150 ./floe launch --gpus "$N" -- "${bench[@]}"
   TAIL=4 run 150 ./floe launch --gpus "$N" -- "${bench[@]}" --zero-stage 1
+  TAIL=4 run 150 ./floe launch --gpus "$N" -- "${bench[@]}" --zero-stage 2
   TAIL=$(( 2 * N + 2 )) run 120 ./floe launch --gpus "$N" -- bench generate --device cuda:0 \
     --model 1.7B --batch 256 --prompt 256 --new 256
 fi

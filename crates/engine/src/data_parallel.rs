@@ -99,6 +99,11 @@ impl<B: Backend> DataParallel<B> {
         Ok(self.backend.download_index(&recv)?)
     }
 
+    /// The largest of every rank's `value`.
+    pub(crate) fn max(&self, value: usize) -> Result<usize> {
+        Ok(self.all_gather(&value)?.into_iter().max().unwrap_or(value))
+    }
+
     /// The sum over ranks of `value`, in rank order.
     pub(crate) fn sum(&self, value: f64) -> Result<f64> {
         let all = self.all_gather(&value.to_bits())?;

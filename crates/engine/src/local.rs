@@ -112,7 +112,9 @@ pub struct LocalEngineOptions {
     pub optimizer_placement: OptimizerPlacement,
     /// ZeRO stage of a data-parallel engine (`engine.zero_stage`): 0 keeps the whole
     /// optimizer state on every rank; 1 splits the f32 masters and AdamW moments over the
-    /// ranks ([`Policy::shard_optimizer`]). One rank has nothing to split.
+    /// ranks ([`Policy::shard_optimizer`]); 2 splits the f32 gradients too
+    /// ([`Policy::shard_gradients`]). An engine without a collective has nothing to
+    /// split and ignores it; a group of one rank runs the sharded code on whole shards.
     pub zero_stage: u8,
 }
 
@@ -374,11 +376,11 @@ impl<B: Backend> LocalEngine<B> {
                 "speculative_ngram: {problem}"
             )));
         }
-        if options.zero_stage > 1 {
+        if options.zero_stage > 2 {
             return Err(Error::InvalidRequest(format!(
-                "engine.zero_stage = {}: stages 0 (replicated optimizer state) and 1 \
-                 (optimizer state split over the ranks) exist; stage 3 is planned \
-                 (docs/distributed.md)",
+                "engine.zero_stage = {}: stages 0 (replicated optimizer state), 1 \
+                 (optimizer state split over the ranks) and 2 (gradients split too) exist; \
+                 stage 3 is planned (docs/distributed.md)",
                 options.zero_stage
             )));
         }
@@ -411,7 +413,7 @@ impl<B: Backend> LocalEngine<B> {
             &options,
             gate.as_ref().map_or(0, Gate::reserved),
             match &collective {
-                Some(c) if options.zero_stage == 1 => (c.world_size(), c.world_size()),
+                Some(c) if options.zero_stage >= 1 => (c.world_size(), c.world_size()),
                 Some(c) => (1, c.world_size()),
                 None => (1, 1),
             },
@@ -422,8 +424,11 @@ impl<B: Backend> LocalEngine<B> {
             policy.broadcast_weights(&**collective, 0)?;
         }
         match &collective {
-            Some(collective) if options.zero_stage == 1 => {
-                policy.shard_optimizer(Arc::clone(collective), options.optimizer_placement)?
+            Some(collective) if options.zero_stage >= 1 => {
+                policy.shard_optimizer(Arc::clone(collective), options.optimizer_placement)?;
+                if options.zero_stage == 2 {
+                    policy.shard_gradients()?;
+                }
             }
             _ => policy.set_optimizer_placement(options.optimizer_placement)?,
         }
@@ -519,6 +524,17 @@ impl<B: Backend> LocalEngine<B> {
         }
     }
 
+    /// A rank whose gradients are sharded reduces them at every backward, with every
+    /// other rank, so all run as many backwards in a call: after its own `backwards` it
+    /// runs this many of zeros (the most any rank runs, less its own). Every rank asks
+    /// before its first backward; 0 where gradients are not sharded.
+    fn backwards_short_of_most(&self, backwards: usize) -> Result<usize> {
+        match &self.data_parallel {
+            Some(dp) if self.policy.shards_gradients() => Ok(dp.max(backwards)? - backwards),
+            _ => Ok(0),
+        }
+    }
+
     /// Ranks the optimizer state is split over (1 when it is whole), and ranks in all.
     fn optimizer_shards(&self) -> (usize, usize) {
         match &self.data_parallel {
@@ -592,6 +608,7 @@ impl<B: Backend> LocalEngine<B> {
             None => (norm, 0),
         };
         let micro_batches = pack_rollouts(&rollout_groups(groups), self.packing())?;
+        let missing = self.backwards_short_of_most(micro_batches.len())?;
         let mut loss = 0.0;
         let mut metrics = Vec::with_capacity(micro_batches.len());
         for mb in &micro_batches {
@@ -627,6 +644,9 @@ impl<B: Backend> LocalEngine<B> {
             };
             self.policy
                 .forward_backward(&mb.batch, logit_scale, &mut grad)?;
+        }
+        for _ in 0..missing {
+            self.policy.reduce_empty_backward()?;
         }
         match &self.data_parallel {
             Some(dp) => dp.policy_output(loss, &metrics),
@@ -668,6 +688,7 @@ impl<B: Backend> LocalEngine<B> {
             0.0
         };
         let micro_batches = pack_rollouts(&rollout_groups(groups), self.packing())?;
+        let missing = self.backwards_short_of_most(micro_batches.len())?;
         let mut loss = 0.0;
         for mb in &micro_batches {
             let mut grad = |stats: &TokenStats| -> ModelResult<(Vec<f64>, Vec<f64>)> {
@@ -682,6 +703,9 @@ impl<B: Backend> LocalEngine<B> {
             };
             self.policy
                 .forward_backward(&mb.batch, logit_scale, &mut grad)?;
+        }
+        for _ in 0..missing {
+            self.policy.reduce_empty_backward()?;
         }
         if let Some(dp) = &self.data_parallel {
             loss = dp.sum(loss)?;
@@ -709,6 +733,7 @@ impl<B: Backend> LocalEngine<B> {
             }
         }
         let micro_batches = pack_rollouts(&rollout_groups(groups), self.packing())?;
+        let missing = self.backwards_short_of_most(micro_batches.len())?;
         let mut loss = 0.0;
         for mb in &micro_batches {
             let mut grad = |stats: &TokenStats| -> ModelResult<(Vec<f64>, Vec<f64>)> {
@@ -731,6 +756,9 @@ impl<B: Backend> LocalEngine<B> {
             };
             self.policy
                 .forward_backward(&mb.batch, logit_scale, &mut grad)?;
+        }
+        for _ in 0..missing {
+            self.policy.reduce_empty_backward()?;
         }
         if let Some(dp) = &self.data_parallel {
             loss = dp.sum(loss)?;
@@ -1031,12 +1059,18 @@ impl<B: Backend> Engine for LocalEngine<B> {
             Policy::load_lora(current.share_base()?, dir, self.options.optimizer_placement)?
         } else {
             match &self.data_parallel {
-                Some(dp) if self.policy.is_sharded() => Policy::load_sharded(
-                    Arc::clone(&backend),
-                    dir,
-                    self.options.optimizer_placement,
-                    Arc::clone(&dp.collective),
-                )?,
+                Some(dp) if self.policy.is_sharded() => {
+                    let mut policy = Policy::load_sharded(
+                        Arc::clone(&backend),
+                        dir,
+                        self.options.optimizer_placement,
+                        Arc::clone(&dp.collective),
+                    )?;
+                    if self.policy.shards_gradients() {
+                        policy.shard_gradients()?;
+                    }
+                    policy
+                }
                 _ => Policy::load(Arc::clone(&backend), dir, self.options.optimizer_placement)?,
             }
         };
@@ -1579,6 +1613,7 @@ fn memory_plan<B: Backend>(
         device: options.device,
         placement: options.optimizer_placement,
         optimizer_shards,
+        gradient_shards: options.zero_stage == 2,
         data_parallel_ranks,
         recompute: options.recompute,
         kv_cache_tokens_wanted: options.kv_cache_tokens_wanted,

@@ -20,6 +20,7 @@ use std::str::FromStr;
 use floe_backend::BufKind;
 use floe_model::lora::{adapter_specs, LoraConfig};
 use floe_model::transformer::{max_recomputed_layers, Transformer};
+use floe_model::weights::tensor_specs;
 use floe_model::ModelConfig;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
@@ -54,6 +55,10 @@ pub struct PlanInputs<'a> {
     /// Ranks the optimizer state is split over (`engine.zero_stage = 1` on a
     /// data-parallel group; 1: each rank holds all of it). Adapters are never split.
     pub optimizer_shards: usize,
+    /// The f32 gradients are split over those ranks too (`engine.zero_stage = 2`): a
+    /// rank holds its shard and one layer's and one `[vocab, hidden]` tensor's
+    /// gradients, which the backward reuses.
+    pub gradient_shards: bool,
     /// Ranks of the data-parallel group (1: alone): with more, a refusal names
     /// `engine.zero_stage` when the optimizer state is whole.
     pub data_parallel_ranks: usize,
@@ -177,7 +182,22 @@ impl MemoryPlan {
                 inputs.model.vocab_size * inputs.model.hidden_size * full,
             ));
         }
-        device.push(item("gradients (f32)", trained * full));
+        let streamed = shards > 1 && inputs.gradient_shards;
+        if streamed {
+            let model = inputs.model;
+            let layer: usize = tensor_specs(model)
+                .iter()
+                .filter(|(name, _)| name.starts_with("model.layers.0."))
+                .map(|(_, shape)| shape.iter().product::<usize>())
+                .sum();
+            let vocab = model.vocab_size * model.hidden_size;
+            device.push(item(
+                "one layer's gradients + vocab (f32)",
+                (layer + vocab + model.hidden_size) * full,
+            ));
+        } else {
+            device.push(item("gradients (f32)", trained * full));
+        }
         let optimizer = if host_optimizer {
             &mut host
         } else {
@@ -192,9 +212,18 @@ impl MemoryPlan {
                 "AdamW moments, 1/N shard (f32)",
                 2 * trained.div_ceil(shards) * full,
             ));
+            // Stage 2 sums a later micro-batch's reduce-scatter through one more shard
+            // of a bucket.
+            let scratch = if streamed {
+                SHARD_STAGING_ELEMENTS.div_ceil(shards) * full
+            } else {
+                0
+            };
             device.push(item(
                 "gradient shard, staging buckets",
-                trained.div_ceil(shards) * full + SHARD_STAGING_ELEMENTS * (full + compute),
+                trained.div_ceil(shards) * full
+                    + SHARD_STAGING_ELEMENTS * (full + compute)
+                    + scratch,
             ));
         } else {
             if host_optimizer && !frozen_base {
@@ -235,6 +264,7 @@ impl MemoryPlan {
                 lora: frozen_base,
                 ranks: inputs.data_parallel_ranks.max(1),
                 sharded: shards > 1,
+                gradients_sharded: streamed,
             },
         }
     }
@@ -276,14 +306,18 @@ impl MemoryPlan {
                     lora,
                     ranks,
                     sharded,
+                    gradients_sharded,
                 } = self.knobs;
                 let mut knobs = vec![Knob::MicrobatchTokens(tokens)];
                 if recompute_more {
                     knobs.push(Knob::Recompute);
                 }
                 // Adapters' optimizer state is too small for moving it to help.
-                if ranks > 1 && !sharded && !lora {
-                    knobs.push(Knob::ZeroStage(ranks));
+                if ranks > 1 && !gradients_sharded && !lora {
+                    knobs.push(Knob::ZeroStage {
+                        ranks,
+                        stage: if sharded { 2 } else { 1 },
+                    });
                 }
                 if placement == OptimizerPlacement::Device && !lora {
                     knobs.push(Knob::OffloadOptimizer);
@@ -319,8 +353,14 @@ pub enum Knob {
     OffloadOptimizer,
     /// LoRA adapters on a frozen base.
     Lora,
-    /// The optimizer state split over the data-parallel group's ranks (this many).
-    ZeroStage(usize),
+    /// The optimizer state (stage 1) and the gradients (stage 2) split over the
+    /// data-parallel group's ranks.
+    ZeroStage {
+        /// Ranks of the group.
+        ranks: usize,
+        /// The stage that frees memory now (the next one up).
+        stage: u8,
+    },
     /// Other engines on the device, which reserve these bytes for their steps.
     OtherEngines(usize),
     /// A larger share of the device's memory.
@@ -370,9 +410,13 @@ impl Knob {
             Knob::Lora => {
                 "train LoRA adapters on a frozen bf16 base (model.lora.rank, e.g. 32)".into()
             }
-            Knob::ZeroStage(ranks) => format!(
+            Knob::ZeroStage { ranks, stage: 1 } => format!(
                 "set engine.zero_stage = 1 (each of the {ranks} ranks keeps 1/{ranks} of the \
                  masters and AdamW moments)"
+            ),
+            Knob::ZeroStage { ranks, .. } => format!(
+                "set engine.zero_stage = 2 (each of the {ranks} ranks also keeps only \
+                 1/{ranks} of the f32 gradients)"
             ),
             Knob::OtherEngines(bytes) => format!(
                 "close other engines on this device (they reserve {:.2} GiB for their steps)",
@@ -396,9 +440,11 @@ struct Knobs {
     recompute_more: bool,
     placement: OptimizerPlacement,
     lora: bool,
-    /// Data-parallel ranks, and whether the optimizer state is split over them.
+    /// Data-parallel ranks, and whether the optimizer state and the gradients are split
+    /// over them.
     ranks: usize,
     sharded: bool,
+    gradients_sharded: bool,
 }
 
 /// Which layers' activations the backward recomputes from their inputs instead of
@@ -631,6 +677,7 @@ mod tests {
             device: Device::Cuda(0),
             placement,
             optimizer_shards: 1,
+            gradient_shards: false,
             data_parallel_ranks: 1,
             recompute: Recompute::All,
             kv_cache_tokens_wanted: 0,

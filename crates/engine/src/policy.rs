@@ -206,6 +206,37 @@ impl<B: Backend> Policy<B> {
         Ok(())
     }
 
+    /// Shards the gradients too (ZeRO stage 2, `docs/distributed.md`), once the optimizer
+    /// state is ([`Policy::shard_optimizer`]): the model keeps no full gradients, its
+    /// backward hands each over as soon as it is complete and they are reduce-scattered
+    /// in buckets into this rank's shard, summed over micro-batches. Every rank calls it
+    /// together, and then runs the same number of backwards between two steps.
+    pub fn shard_gradients(&mut self) -> Result<()> {
+        let OptimizerState::Sharded(sharded) = &mut self.state else {
+            return Err(Error::InvalidRequest(
+                "shard_gradients: shard the optimizer state first (shard_optimizer)".into(),
+            ));
+        };
+        sharded.stream_gradients(&mut self.model)
+    }
+
+    /// Whether the gradients are split over the ranks too ([`Policy::shard_gradients`]).
+    pub fn shards_gradients(&self) -> bool {
+        matches!(&self.state, OptimizerState::Sharded(s) if s.streams_gradients())
+    }
+
+    /// Joins the gradient reduction of a backward the other ranks run, with zeros: a
+    /// rank of a group whose gradients are sharded that has fewer micro-batches than
+    /// another in a call runs this for each one it lacks.
+    pub(crate) fn reduce_empty_backward(&mut self) -> Result<()> {
+        match &mut self.state {
+            OptimizerState::Sharded(sharded) if sharded.streams_gradients() => {
+                sharded.reduce_empty_backward()
+            }
+            _ => Ok(()),
+        }
+    }
+
     /// Moves the optimizer state to `placement`. Going to the host copies the master
     /// weights and the moments there and frees the device's f32 masters (the model keeps
     /// its weights in compute precision); going back to the device is refused, since
@@ -275,16 +306,37 @@ impl<B: Backend> Policy<B> {
         logit_scale: f32,
         loss_grad: &mut LossGrad<'_>,
     ) -> Result<TokenStats> {
-        Ok(self.model.forward_backward(batch, logit_scale, loss_grad)?)
+        match &mut self.state {
+            OptimizerState::Sharded(sharded) if sharded.streams_gradients() => {
+                Ok(self.model.forward_backward_streamed(
+                    batch,
+                    logit_scale,
+                    loss_grad,
+                    &mut |first, grads| sharded.receive(first, grads),
+                )?)
+            }
+            _ => Ok(self.model.forward_backward(batch, logit_scale, loss_grad)?),
+        }
     }
 
-    /// Global L2 norm of the gradients accumulated so far.
+    /// Global L2 norm of the gradients accumulated so far; refused when they are
+    /// sharded (each rank holds one shard: the optimizer step reports the norm).
     pub fn grad_norm(&self) -> Result<f64> {
+        if self.shards_gradients() {
+            return Err(Error::InvalidRequest(
+                "grad_norm: the gradients are sharded over the ranks (zero_stage 2); \
+                 optim_step reports their global norm"
+                    .into(),
+            ));
+        }
         Ok(self.model.grad_norm()?)
     }
 
     /// Clears the accumulated gradients without stepping.
     pub fn zero_grad(&mut self) -> Result<()> {
+        if let OptimizerState::Sharded(sharded) = &mut self.state {
+            sharded.discard_gradients();
+        }
         Ok(self.model.zero_grad()?)
     }
 
@@ -303,6 +355,8 @@ impl<B: Backend> Policy<B> {
                 device_moments(&*backend, moments, name, slot.param)?;
                 Ok(())
             })?,
+            // Sharded gradients were allocated with the shards, and the model keeps none.
+            OptimizerState::Sharded(sharded) if sharded.streams_gradients() => {}
             // Host and shard moments are allocated at the first step.
             OptimizerState::Host { .. } | OptimizerState::Sharded(_) => {
                 self.model.visit_params(&mut |_, _| Ok(()))?
@@ -1527,6 +1581,162 @@ mod tests {
             }
         }
         assert!(ranks[0].2 == ranks[1].2, "ranks agree bit for bit");
+    }
+
+    /// What a rank of [`staged_ranks`] did: its step outcomes, its weights at the end,
+    /// and the gradient elements its model held.
+    type StagedRun = (Vec<StepOutcome>, BTreeMap<String, HostTensor>, usize);
+
+    /// `steps` steps of `world_size` ranks whose optimizer is sharded in buckets of
+    /// `bucket_elements`, and the gradients too at `stage` 2. Rank r runs `1 + r % 2`
+    /// micro-batches a step, the others joining with empty backwards as the engine has
+    /// them do; at step `nan_step` rank 0's loss gradient is NaN.
+    fn staged_ranks(
+        world_size: usize,
+        stage: u8,
+        bucket_elements: usize,
+        steps: usize,
+        params: &OptimParams,
+        nan_step: Option<usize>,
+    ) -> Vec<StagedRun> {
+        let group =
+            InProcessCollective::<f32>::group(world_size, std::time::Duration::from_secs(60));
+        let most = if world_size > 1 { 2 } else { 1 };
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = group
+                .into_iter()
+                .enumerate()
+                .map(|(rank, collective)| {
+                    scope.spawn(move || {
+                        let collective: Arc<dyn Collective<CpuBackend>> = Arc::new(collective);
+                        let backend = Arc::new(CpuBackend::<f32>::new());
+                        let model = Transformer::new_random(backend, tiny_config(), 7).unwrap();
+                        let mut policy = Policy::new(model);
+                        policy
+                            .shard_optimizer_in_buckets(
+                                Arc::clone(&collective),
+                                OptimizerPlacement::Device,
+                                bucket_elements,
+                            )
+                            .unwrap();
+                        if stage == 2 {
+                            policy.shard_gradients().unwrap();
+                        }
+                        let micro_batches = 1 + rank % 2;
+                        let mut outcomes = Vec::new();
+                        for step in 0..steps {
+                            for mb in 0..micro_batches {
+                                let tokens: Vec<u32> = (0..4 + rank + step + mb)
+                                    .map(|i| (3 + 5 * i + rank + 7 * mb) as u32 % 30)
+                                    .collect();
+                                let batch = PackedBatch::from_sequences(&[tokens]).unwrap();
+                                let rows = batch.len();
+                                let poison = nan_step == Some(step) && rank == 0;
+                                let d = if poison { f64::NAN } else { -1.0 };
+                                policy
+                                    .forward_backward(&batch, 1.0, &mut |_| {
+                                        Ok((vec![d; rows], vec![0.0; rows]))
+                                    })
+                                    .unwrap();
+                            }
+                            for _ in micro_batches..most {
+                                policy.reduce_empty_backward().unwrap();
+                            }
+                            outcomes.push(
+                                policy
+                                    .optim_step_data_parallel(params, &*collective)
+                                    .unwrap(),
+                            );
+                        }
+                        let held = policy.model().base_gradient_elements();
+                        (outcomes, policy.master_weights_to_host().unwrap(), held)
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    }
+
+    #[test]
+    fn sharded_gradients_step_as_stage_1_over_micro_batches_clipping_and_skips() {
+        let params = OptimParams {
+            max_grad_norm: 0.05,
+            ..PARAMS
+        };
+        let config = tiny_config();
+        let elements = config.num_parameters();
+        // Stage 2's model keeps one layer's, the final norm's and one [vocab, hidden]
+        // tensor's gradients.
+        let layer: usize = floe_model::weights::tensor_specs(&config)
+            .iter()
+            .filter(|(name, _)| name.starts_with("model.layers.0."))
+            .map(|(_, shape)| shape.iter().product::<usize>())
+            .sum();
+        let streamed = layer + (config.vocab_size + 1) * config.hidden_size;
+        assert!(streamed < elements);
+        // Small buckets: parameters span buckets and buckets span layers.
+        for (world_size, bucket_elements) in [(1, 97), (2, 97), (3, 301), (4, 1000)] {
+            let stage_1 = staged_ranks(world_size, 1, bucket_elements, 4, &params, Some(2));
+            let stage_2 = staged_ranks(world_size, 2, bucket_elements, 4, &params, Some(2));
+            let what = format!("{world_size} ranks, buckets of {bucket_elements}");
+            for (rank, (one, two)) in stage_1.iter().zip(&stage_2).enumerate() {
+                assert_eq!(one.2, elements, "{what}: stage 1 holds every gradient");
+                assert_eq!(
+                    two.2, streamed,
+                    "{what}: stage 2 rank {rank}'s gradient elements (of {elements})"
+                );
+                for (step, (a, b)) in one.0.iter().zip(&two.0).enumerate() {
+                    assert_eq!(
+                        (a.skipped, a.step),
+                        (b.skipped, b.step),
+                        "{what} step {step}"
+                    );
+                    assert_eq!(a.skipped, step == 2, "{what} step {step}: the NaN skips");
+                    if !a.skipped {
+                        assert!(
+                            a.grad_norm > f64::from(params.max_grad_norm),
+                            "the clip acts"
+                        );
+                        let close = (a.grad_norm - b.grad_norm).abs() <= 1e-6 * a.grad_norm;
+                        assert!(
+                            close,
+                            "{what} rank {rank} step {step}: norm {} (stage 1) vs {} (stage 2)",
+                            a.grad_norm, b.grad_norm
+                        );
+                    }
+                }
+                // One rank sums the micro-batches in stage 1's order: the same bits.
+                if world_size == 1 {
+                    // Bits, so the skipped step's NaN norms compare equal.
+                    let bits = |o: &[StepOutcome]| -> Vec<(u64, bool, u64)> {
+                        o.iter()
+                            .map(|o| (o.grad_norm.to_bits(), o.skipped, o.step))
+                            .collect()
+                    };
+                    assert!(
+                        bits(&one.0) == bits(&two.0),
+                        "{what}: outcomes {:?} (stage 1) vs {:?}",
+                        one.0,
+                        two.0
+                    );
+                    for (name, tensor) in &one.1 {
+                        assert!(tensor == &two.1[name], "{what}: {name} not bit for bit");
+                    }
+                }
+                for (name, tensor) in &one.1 {
+                    for (a, b) in tensor.data.iter().zip(&two.1[name].data) {
+                        assert!(
+                            (a - b).abs() <= 2e-5,
+                            "{what}: {name}: {a} (stage 1) vs {b}"
+                        );
+                    }
+                }
+            }
+            assert!(
+                stage_2.iter().all(|run| run.1 == stage_2[0].1),
+                "{what}: ranks agree bit for bit"
+            );
+        }
     }
 
     #[test]

@@ -17,6 +17,20 @@
 //!
 //! The model keeps its weights in compute precision only (where the backend has a lower
 //! one) and full gradients; staging is one bucket of gradients and one of weights.
+//!
+//! # Gradient shards (ZeRO stage 2)
+//!
+//! After [`ShardedOptimizer::stream_gradients`] the model keeps no full gradients: its
+//! backward hands each parameter's gradient over as soon as it is complete
+//! ([`Transformer::forward_backward_streamed`]), in reverse visit order, and
+//! [`ShardedOptimizer::receive`] copies it into the staging buffer of the bucket it
+//! belongs to. Buckets follow visit order, so they complete from the last: a bucket is
+//! complete once its first piece arrived (a bucket spanning two layers once both are
+//! done), and is then reduce-scattered into this rank's shard of the gradient, summed
+//! over the micro-batches. One staging bucket is filled at a time. Step 1 above is then
+//! already done; the norm, AdamW and the gather are stage 1's. Every rank must run as
+//! many backwards between two steps ([`ShardedOptimizer::reduce_empty_backward`] evens
+//! them out).
 
 use std::collections::btree_map::Entry;
 use std::collections::BTreeMap;
@@ -26,7 +40,7 @@ use std::sync::Arc;
 
 use floe_backend::{AdamW, Backend, BufKind, Collective};
 use floe_dist::{reshard_reads, FlatPartition};
-use floe_model::transformer::{ModelError, Transformer};
+use floe_model::transformer::{self, ModelError, Transformer};
 use floe_model::weights::{self, HostTensor};
 use serde::{Deserialize, Serialize};
 
@@ -133,6 +147,20 @@ struct Shard<B: Backend> {
     state: ShardState<B>,
 }
 
+/// How a rank takes the gradients as the backward completes them (ZeRO stage 2).
+struct Streaming<B: Backend> {
+    /// Each parameter's pieces (visit order) as `(bucket, index in its pieces)`.
+    param_pieces: Vec<Vec<(usize, usize)>>,
+    /// The parameters the current backward has not handed over yet are `0 .. pending`
+    /// (they come last first).
+    pending: usize,
+    /// Backwards reduced into the shards since the last step; the first one writes the
+    /// shards, the next ones add to them.
+    backwards: usize,
+    /// Shard-sized buffers a later backward's reduce-scatter lands in, by length.
+    scratch: Vec<B::Buf>,
+}
+
 /// A rank's part of the optimizer state of a data-parallel group (module docs).
 pub(crate) struct ShardedOptimizer<B: Backend> {
     collective: Arc<dyn Collective<B>>,
@@ -146,9 +174,12 @@ pub(crate) struct ShardedOptimizer<B: Backend> {
     weights_kind: BufKind,
     /// Zero-padded staging buffers by bucket length and kind; padding is never written.
     staging: Vec<(usize, BufKind, B::Buf)>,
+    /// Present when the gradients are sharded too (stage 2).
+    streaming: Option<Streaming<B>>,
 }
 
-/// A trained parameter's gradient or weights, as [`Transformer::visit_params`] lends it.
+/// A trained parameter's gradient or weights, as [`Transformer::visit_params`] or
+/// [`Transformer::visit_weights`] lends it.
 #[derive(Clone, Copy)]
 enum Side {
     Param,
@@ -310,6 +341,7 @@ impl<B: Backend> ShardedOptimizer<B> {
             unpack(b_, model, &self.buckets[b], staging)?;
         }
         model.zero_grad()?;
+        self.discard_gradients();
         Ok(true)
     }
 
@@ -324,16 +356,9 @@ impl<B: Backend> ShardedOptimizer<B> {
         lens: &[usize],
         from_masters: bool,
     ) -> Result<Self> {
-        if model.lora_config().is_some() {
-            return Err(Error::InvalidRequest(
-                "engine.zero_stage = 1 shards full-parameter training; a LoRA engine's \
-                 optimizer state is small: leave zero_stage at 0"
-                    .into(),
-            ));
-        }
         let backend = Arc::clone(model.backend());
         let mut has_compute = false;
-        model.visit_params(&mut |_, slot| {
+        model.visit_weights(&mut |_, slot| {
             let full = backend.kind(slot.param) == BufKind::Full;
             if from_masters && !full {
                 return Err(ModelError::Input(
@@ -365,6 +390,7 @@ impl<B: Backend> ShardedOptimizer<B> {
                 BufKind::Full
             },
             staging: Vec::new(),
+            streaming: None,
         })
     }
 
@@ -417,6 +443,15 @@ impl<B: Backend> ShardedOptimizer<B> {
         Ok(self.staging.len() - 1)
     }
 
+    /// Index in `self.staging` of bucket `b`'s buffer in `kind`, made before.
+    fn staging_of(&self, b: usize, kind: BufKind) -> usize {
+        let len = self.buckets[b].len;
+        self.staging
+            .iter()
+            .position(|s| (s.0, s.1) == (len, kind))
+            .expect("the staging buffer was made before")
+    }
+
     /// Where the shards live.
     pub(crate) fn placement(&self) -> OptimizerPlacement {
         self.placement
@@ -428,10 +463,30 @@ impl<B: Backend> ShardedOptimizer<B> {
     }
 
     /// Sums every rank's gradients into each rank's shard, clears the model's gradients
-    /// and returns the global L2 norm, the same bits on every rank.
+    /// and returns the global L2 norm, the same bits on every rank. Streamed gradients
+    /// (stage 2) are already in the shards; the next backward starts new sums.
     pub(crate) fn reduce_gradients(&mut self, model: &mut Transformer<B>) -> Result<f64> {
         let backend = Arc::clone(&self.backend);
         let mut local = 0.0;
+        if let Some(streaming) = &mut self.streaming {
+            if streaming.pending != streaming.param_pieces.len() {
+                return Err(Error::InvalidRequest(format!(
+                    "optimizer step: a backward stopped with {} parameters' gradients \
+                     not reduced",
+                    streaming.pending
+                )));
+            }
+            let fresh = streaming.backwards == 0;
+            streaming.backwards = 0;
+            for shard in &mut self.shards {
+                // No backward since the last step: nothing to apply.
+                if fresh {
+                    backend.fill_zero(&mut shard.grad)?;
+                }
+                local += backend.sum_squares(&shard.grad)?;
+            }
+            return Ok(self.sum_over_ranks(local)?.sqrt());
+        }
         for b in 0..self.buckets.len() {
             let at = self.staging(b, BufKind::Full)?;
             let staging = &mut self.staging[at].2;
@@ -443,6 +498,148 @@ impl<B: Backend> ShardedOptimizer<B> {
         }
         model.zero_grad()?;
         Ok(self.sum_over_ranks(local)?.sqrt())
+    }
+
+    /// Shards the gradients too (ZeRO stage 2, module docs): `model` streams its
+    /// gradients from now on, freeing its full ones, and this optimizer reduces them
+    /// into its shards bucket by bucket as the backward completes them.
+    pub(crate) fn stream_gradients(&mut self, model: &mut Transformer<B>) -> Result<()> {
+        if self.streaming.is_some() {
+            return Ok(());
+        }
+        model.stream_gradients()?;
+        let (_, lens) = layout(model)?;
+        let mut param_pieces = vec![Vec::new(); lens.len()];
+        for (b, bucket) in self.buckets.iter().enumerate() {
+            for (i, piece) in bucket.pieces.iter().enumerate() {
+                param_pieces[piece.param].push((b, i));
+            }
+        }
+        // Staging and scratch are made now: the backward's receiver cannot allocate.
+        let mut scratch: Vec<B::Buf> = Vec::new();
+        for b in 0..self.buckets.len() {
+            self.staging(b, BufKind::Full)?;
+            let len = self.partitions[b].shard_len();
+            if !scratch.iter().any(|buf| self.backend.len(buf) == len) {
+                scratch.push(self.backend.zeros(len, BufKind::Full)?);
+            }
+        }
+        self.streaming = Some(Streaming {
+            pending: lens.len(),
+            param_pieces,
+            backwards: 0,
+            scratch,
+        });
+        Ok(())
+    }
+
+    /// Whether the gradients are sharded too (stage 2).
+    pub(crate) fn streams_gradients(&self) -> bool {
+        self.streaming.is_some()
+    }
+
+    /// Takes the gradients of parameters `first .. first + grads.len()` (visit order) of
+    /// the running backward, as [`transformer::GradReceiverFn`] hands them over: packs
+    /// them into their buckets' staging and reduce-scatters each bucket they complete.
+    pub(crate) fn receive(&mut self, first: usize, grads: &[&B::Buf]) -> transformer::Result<()> {
+        let mut streaming = self
+            .streaming
+            .take()
+            .expect("receive is called on a streaming optimizer");
+        let result = self.receive_into(&mut streaming, first, grads);
+        self.streaming = Some(streaming);
+        result
+    }
+
+    fn receive_into(
+        &mut self,
+        streaming: &mut Streaming<B>,
+        first: usize,
+        grads: &[&B::Buf],
+    ) -> transformer::Result<()> {
+        for (i, grad) in grads.iter().enumerate().rev() {
+            let param = first + i;
+            if param + 1 != streaming.pending {
+                return Err(ModelError::Input(format!(
+                    "ZeRO-2: the backward handed over parameter {param}'s gradient while \
+                     {} parameters were pending (they come in reverse visit order)",
+                    streaming.pending
+                )));
+            }
+            streaming.pending = param;
+            let backwards = streaming.backwards;
+            for &(b, p) in streaming.param_pieces[param].iter().rev() {
+                let piece = &self.buckets[b].pieces[p];
+                let at = self.staging_of(b, BufKind::Full);
+                let n = piece.in_param.len();
+                let staging = &mut self.staging[at].2;
+                self.backend
+                    .copy_range(staging, piece.in_bucket, grad, piece.in_param.start, n)?;
+                // Its first piece is the last to arrive.
+                if p == 0 {
+                    self.reduce_bucket(backwards, &mut streaming.scratch, b)?;
+                }
+            }
+        }
+        if streaming.pending == 0 {
+            streaming.pending = streaming.param_pieces.len();
+            streaming.backwards += 1;
+        }
+        Ok(())
+    }
+
+    /// A backward of zeros: every bucket reduce-scattered from a zeroed staging, so this
+    /// rank joins the collectives of a backward the others run (a rank with fewer
+    /// micro-batches than another in the same call).
+    pub(crate) fn reduce_empty_backward(&mut self) -> Result<()> {
+        let mut streaming = self
+            .streaming
+            .take()
+            .expect("reduce_empty_backward is called on a streaming optimizer");
+        let result = self.reduce_zeros(&mut streaming);
+        streaming.backwards += 1;
+        self.streaming = Some(streaming);
+        result
+    }
+
+    fn reduce_zeros(&mut self, streaming: &mut Streaming<B>) -> Result<()> {
+        for b in (0..self.buckets.len()).rev() {
+            let at = self.staging_of(b, BufKind::Full);
+            self.backend.fill_zero(&mut self.staging[at].2)?;
+            self.reduce_bucket(streaming.backwards, &mut streaming.scratch, b)?;
+        }
+        Ok(())
+    }
+
+    /// Reduce-scatters bucket `b`'s staging into this rank's shard of its gradient: the
+    /// first backward since the step writes the shard, later ones add to it.
+    /// `backwards` counts those already summed, `scratch` is [`Streaming::scratch`].
+    fn reduce_bucket(
+        &mut self,
+        backwards: usize,
+        scratch: &mut [B::Buf],
+        b: usize,
+    ) -> floe_backend::Result<()> {
+        let at = self.staging_of(b, BufKind::Full);
+        let staging = &self.staging[at].2;
+        let shard = &mut self.shards[b].grad;
+        if backwards == 0 {
+            return self.collective.reduce_scatter_sum(staging, shard);
+        }
+        let len = self.backend.len(shard);
+        let scratch = scratch
+            .iter_mut()
+            .find(|buf| self.backend.len(buf) == len)
+            .expect("stream_gradients made a scratch buffer of every shard length");
+        self.collective.reduce_scatter_sum(staging, scratch)?;
+        self.backend.add_assign(shard, scratch)
+    }
+
+    /// Drops the gradients summed since the last step (the next backward starts anew).
+    pub(crate) fn discard_gradients(&mut self) {
+        if let Some(streaming) = &mut self.streaming {
+            streaming.backwards = 0;
+        }
     }
 
     /// Applies AdamW `hp` to this rank's shards (the gradients of the last
@@ -590,11 +787,18 @@ pub(crate) fn shard_file(rank: usize, world_size: usize) -> String {
     format!("optimizer-rank-{rank}-of-{world_size}.safetensors")
 }
 
-/// Names and lengths of the trained parameters in visit order.
+/// Names and lengths of the trained parameters in visit order; refused for a LoRA model.
 fn layout<B: Backend>(model: &mut Transformer<B>) -> Result<(Vec<String>, Vec<usize>)> {
+    if model.lora_config().is_some() {
+        return Err(Error::InvalidRequest(
+            "engine.zero_stage 1 and 2 shard full-parameter training; a LoRA engine's \
+             optimizer state and gradients are small: leave zero_stage at 0"
+                .into(),
+        ));
+    }
     let backend = Arc::clone(model.backend());
     let (mut names, mut lens) = (Vec::new(), Vec::new());
-    model.visit_params(&mut |name, slot| {
+    model.visit_weights(&mut |name, slot| {
         names.push(name.to_string());
         lens.push(backend.len(slot.param));
         Ok(())
@@ -619,19 +823,19 @@ fn pack<B: Backend>(
 ) -> Result<()> {
     let mut index = 0;
     let mut next = 0;
-    model.visit_params(&mut |_, slot| {
+    let mut take = |src: &B::Buf| -> floe_backend::Result<()> {
         while let Some(piece) = bucket.pieces.get(next).filter(|p| p.param == index) {
-            let src = match side {
-                Side::Param => &*slot.param,
-                Side::Grad => &*slot.grad,
-            };
             let n = piece.in_param.len();
             backend.copy_range(staging, piece.in_bucket, src, piece.in_param.start, n)?;
             next += 1;
         }
         index += 1;
         Ok(())
-    })?;
+    };
+    match side {
+        Side::Param => model.visit_weights(&mut |_, slot| Ok(take(slot.param)?))?,
+        Side::Grad => model.visit_params(&mut |_, slot| Ok(take(slot.grad)?))?,
+    }
     Ok(())
 }
 
@@ -645,7 +849,7 @@ fn unpack<B: Backend>(
 ) -> Result<()> {
     let mut index = 0;
     let mut next = 0;
-    model.visit_params(&mut |_, slot| {
+    model.visit_weights(&mut |_, slot| {
         let mut ends_here = false;
         while let Some(piece) = bucket.pieces.get(next).filter(|p| p.param == index) {
             let n = piece.in_param.len();

@@ -18,7 +18,7 @@ use floe_engine::{
     ModelSource, TrainGroup, TrainResponse,
 };
 use floe_model::lora::LoraConfig;
-use floe_model::weights::HostTensor;
+use floe_model::weights::{tensor_specs, HostTensor};
 use floe_rl::tinker::TinkerLoss;
 use floe_rl::{AlgorithmConfig, LossReduction};
 
@@ -553,29 +553,30 @@ fn on_ranks<T: CpuFloat, R: Send>(
     })
 }
 
-fn zero_stage_1(placement: OptimizerPlacement) -> LocalEngineOptions {
+fn zero_stage(stage: u8, placement: OptimizerPlacement) -> LocalEngineOptions {
     LocalEngineOptions {
-        zero_stage: 1,
+        zero_stage: stage,
         ..options(placement)
     }
 }
 
-/// Rank `rank` of `world_size` engines sharing `batches` with a sharded optimizer, from
-/// `source(rank)`.
+/// A rank's engine at ZeRO `stage` (1 or 2) over `collective`, from `source`.
 fn sharded_engine<T: CpuFloat>(
     collective: Arc<dyn Collective<CpuBackend<T>>>,
     source: ModelSource,
     placement: OptimizerPlacement,
+    stage: u8,
 ) -> LocalEngine<CpuBackend<T>> {
     let engine = LocalEngine::new_data_parallel(
         Arc::new(CpuBackend::<T>::new()),
         source,
         None,
-        zero_stage_1(placement),
+        zero_stage(stage, placement),
         collective,
     )
     .unwrap();
     assert!(engine.policy().is_sharded());
+    assert_eq!(engine.policy().shards_gradients(), stage == 2);
     engine
 }
 
@@ -599,7 +600,7 @@ fn zero_stage_1_on_1_to_4_ranks_trains_as_one_engine() {
     for world_size in 1..=4 {
         let ranks = on_ranks::<f64, _>(world_size, |rank, collective| {
             let source = seeded_per_rank(rank);
-            let engine = sharded_engine(collective, source, OptimizerPlacement::Device);
+            let engine = sharded_engine(collective, source, OptimizerPlacement::Device, 1);
             train(engine, &rank_shares(&batches, world_size, rank), &loss)
         });
         assert_matches(&ranks, &expected, &F64, true);
@@ -610,14 +611,130 @@ fn zero_stage_1_on_1_to_4_ranks_trains_as_one_engine() {
         weights: 1e-6,
     };
     let ranks = on_ranks::<f64, _>(3, |rank, collective| {
-        let engine = sharded_engine(collective, seeded_per_rank(rank), OptimizerPlacement::Host);
+        let engine = sharded_engine(
+            collective,
+            seeded_per_rank(rank),
+            OptimizerPlacement::Host,
+            1,
+        );
         train(engine, &rank_shares(&batches, 3, rank), &loss)
     });
     assert_matches(&ranks, &expected, &f32_masters, true);
 }
 
 #[test]
+fn zero_stage_2_on_1_to_4_ranks_trains_as_one_engine() {
+    let loss = policy_loss(LossReduction::TokenMean);
+    // 7 groups, one micro-batch each: ranks run unequal numbers of backwards.
+    let batches = batches(7);
+    let expected = single::<f64>(random(SEED), &batches, &loss);
+    assert_clipped(&expected);
+    let elements = tiny_config().num_parameters();
+    for world_size in 1..=4 {
+        let ranks = on_ranks::<f64, _>(world_size, |rank, collective| {
+            let source = seeded_per_rank(rank);
+            let engine = sharded_engine(collective, source, OptimizerPlacement::Device, 2);
+            train(engine, &rank_shares(&batches, world_size, rank), &loss)
+        });
+        assert_matches(&ranks, &expected, &F64, true);
+    }
+    // The model holds no full gradient buffer (stage 1's does): one layer's, the final
+    // norm's and one vocab-sized tensor's.
+    let config = tiny_config();
+    let layer: usize = tensor_specs(&config)
+        .iter()
+        .filter(|(name, _)| name.starts_with("model.layers.0."))
+        .map(|(_, shape)| shape.iter().product::<usize>())
+        .sum();
+    let streamed = layer + (config.vocab_size + 1) * config.hidden_size;
+    for (stage, want) in [(1, elements), (2, streamed)] {
+        on_ranks::<f64, _>(2, |rank, collective| {
+            let mut engine =
+                sharded_engine(collective, random(SEED), OptimizerPlacement::Device, stage);
+            train_steps(&mut engine, &rank_shares(&batches[..1], 2, rank), &loss);
+            let held = engine.policy().model().base_gradient_elements();
+            assert_eq!(
+                held, want,
+                "stage {stage} rank {rank}: gradient elements held"
+            );
+        });
+    }
+    // The other losses' loops even out the ranks' backwards too.
+    let tinker = Loss::Tinker {
+        loss: TinkerLoss::Ppo,
+        clip_low_threshold: 0.8,
+        clip_high_threshold: 1.2,
+        beta: 0.05,
+    };
+    for loss in [Loss::CrossEntropy, tinker] {
+        let expected = single::<f64>(random(SEED), &batches, &loss);
+        let ranks = on_ranks::<f64, _>(3, |rank, collective| {
+            let engine = sharded_engine(
+                collective,
+                seeded_per_rank(rank),
+                OptimizerPlacement::Device,
+                2,
+            );
+            train(engine, &rank_shares(&batches, 3, rank), &loss)
+        });
+        assert_matches(&ranks, &expected, &F64, true);
+    }
+}
+
+#[test]
+fn zero_stage_2_skips_a_non_finite_step_on_every_rank_and_goes_on() {
+    let loss = policy_loss(LossReduction::TokenMean);
+    let mut batches = batches(6);
+    let poisoned = share(&batches[1], 3, 1)[0].clone();
+    let group = batches[1]
+        .iter_mut()
+        .find(|g| g.prompt == poisoned.prompt)
+        .unwrap();
+    group.responses[0].advantages[0] = f64::NAN;
+    let expected = single::<f64>(random(SEED), &batches, &loss);
+    assert!(expected.steps[1].outcome.skipped && !expected.steps[2].outcome.skipped);
+    let ranks = on_ranks::<f64, _>(3, |rank, collective| {
+        let engine = sharded_engine(
+            collective,
+            seeded_per_rank(rank),
+            OptimizerPlacement::Device,
+            2,
+        );
+        train(engine, &rank_shares(&batches, 3, rank), &loss)
+    });
+    assert!(ranks.iter().all(|run| run.steps[1].outcome.skipped));
+    // The skipped step's sums are dropped: the next step is the single engine's.
+    let (got, want) = (&ranks[0].steps[2].outcome, &expected.steps[2].outcome);
+    assert!(
+        close(got.grad_norm, want.grad_norm, F64.scalars),
+        "step 2: grad norm {} vs {}",
+        got.grad_norm,
+        want.grad_norm
+    );
+    for (name, tensor) in &expected.weights {
+        for (&g, &e) in ranks[0].weights[name].data.iter().zip(&tensor.data) {
+            assert!(
+                f64::from((g - e).abs()) <= F64.weights,
+                "{name}: {g} vs {e}"
+            );
+        }
+    }
+}
+
+#[test]
 fn a_zero_stage_1_checkpoint_resumes_at_other_world_sizes() {
+    checkpoint_resumes_at_other_world_sizes(1, [(2, 1), (4, 1)]);
+}
+
+#[test]
+fn a_zero_stage_2_checkpoint_resumes_at_other_world_sizes_and_stages() {
+    checkpoint_resumes_at_other_world_sizes(2, [(2, 2), (4, 1)]);
+}
+
+/// Three ranks at ZeRO `stage` train two steps, save and train a third; the third step
+/// again from the checkpoint on 3 ranks at `stage` (exactly), on each `(world size,
+/// stage)` of `resumed`, and on one engine without a collective.
+fn checkpoint_resumes_at_other_world_sizes(stage: u8, resumed: [(usize, u8); 2]) {
     let loss = policy_loss(LossReduction::TokenMean);
     let batches = batches(6);
     let dir = tempfile::tempdir().unwrap();
@@ -629,7 +746,8 @@ fn a_zero_stage_1_checkpoint_resumes_at_other_world_sizes() {
     };
     // Three ranks train two steps and save, each its shard; then the third step.
     let straight = on_ranks::<f32, _>(3, |rank, collective| {
-        let mut engine = sharded_engine(collective, random(SEED), OptimizerPlacement::Device);
+        let mut engine =
+            sharded_engine(collective, random(SEED), OptimizerPlacement::Device, stage);
         let shares = rank_shares(&batches, 3, rank);
         let first = train_steps(&mut engine, &shares[..2], &loss);
         engine.save_state(dir.path()).unwrap();
@@ -640,7 +758,12 @@ fn a_zero_stage_1_checkpoint_resumes_at_other_world_sizes() {
     assert!(first.iter().all(|f| f == &first[0]));
     // On the same world size the resume is exact.
     let again = on_ranks::<f32, _>(3, |rank, collective| {
-        let mut engine = sharded_engine(collective, random(SEED + 9), OptimizerPlacement::Device);
+        let mut engine = sharded_engine(
+            collective,
+            random(SEED + 9),
+            OptimizerPlacement::Device,
+            stage,
+        );
         engine.load_state(dir.path()).unwrap();
         let steps = train_steps(&mut engine, &rank_shares(&batches, 3, rank)[2..], &loss);
         finish(engine, steps)
@@ -649,14 +772,20 @@ fn a_zero_stage_1_checkpoint_resumes_at_other_world_sizes() {
         again == third,
         "resumed on 3 ranks: not the uninterrupted run's bits"
     );
-    // Resumed on 2 and 4 sharded ranks, and by one engine without a collective.
-    for world_size in [2, 4] {
+    // Resumed on other world sizes, and by one engine without a collective.
+    for (world_size, resumed_stage) in resumed {
         let resumed = on_ranks::<f32, _>(world_size, |rank, collective| {
             // Built from other weights: the load replaces them.
             let source = seeded_per_rank(rank + 1);
-            let mut engine = sharded_engine(collective, source, OptimizerPlacement::Device);
+            let mut engine = sharded_engine(
+                collective,
+                source,
+                OptimizerPlacement::Device,
+                resumed_stage,
+            );
             engine.load_state(dir.path()).unwrap();
             assert!(engine.policy().is_sharded());
+            assert_eq!(engine.policy().shards_gradients(), resumed_stage == 2);
             let shares = rank_shares(&batches, world_size, rank);
             let steps = train_steps(&mut engine, &shares[2..], &loss);
             finish(engine, steps)
@@ -677,7 +806,7 @@ fn a_zero_stage_1_checkpoint_resumes_at_other_world_sizes() {
 }
 
 #[test]
-fn zero_stages_beyond_1_and_sharded_lora_are_refused() {
+fn zero_stages_beyond_2_and_sharded_lora_are_refused() {
     let backend = Arc::new(CpuBackend::<f32>::new());
     let options = LocalEngineOptions {
         zero_stage: 3,
@@ -693,7 +822,24 @@ fn zero_stages_beyond_1_and_sharded_lora_are_refused() {
             Arc::new(CpuBackend::<f32>::new()),
             lora(4),
             None,
-            zero_stage_1(OptimizerPlacement::Device),
+            zero_stage(1, OptimizerPlacement::Device),
+            collective,
+        )
+        .err()
+        .unwrap()
+        .to_string()
+    });
+    assert!(
+        errors[0].contains("LoRA") && errors[0].contains("zero_stage"),
+        "{}",
+        errors[0]
+    );
+    let errors = on_ranks::<f32, _>(2, |_, collective| {
+        LocalEngine::new_data_parallel(
+            Arc::new(CpuBackend::<f32>::new()),
+            lora(4),
+            None,
+            zero_stage(2, OptimizerPlacement::Device),
             collective,
         )
         .err()

@@ -33,7 +33,9 @@ use floe_backend::{Backend, BufKind, Matmul};
 use serde::{Deserialize, Serialize};
 
 use crate::config::ModelConfig;
-use crate::transformer::{Layer, ModelError, Params, Result, SplitMix, Transformer};
+use crate::transformer::{
+    GradReceiverFn, Layer, ModelError, Params, Result, SplitMix, StreamedGrads, Transformer,
+};
 use crate::weights::{self, HostTensor, WeightsError};
 
 /// The scale numerator floe uses when a client gives none (Tinker's `lora_config` has
@@ -325,6 +327,12 @@ pub(crate) struct Lora<Buf> {
 pub(crate) enum GradSink<'a, Buf> {
     /// Every base weight (full-weight training).
     Full(&'a mut Params<Buf>),
+    /// Every base weight, one layer at a time: each completed gradient goes to
+    /// `receive` and its buffer is reused (ZeRO stage 2).
+    Streamed {
+        grads: &'a mut StreamedGrads<Buf>,
+        receive: &'a mut GradReceiverFn<'a, Buf>,
+    },
     /// Only the adapters; the base is frozen.
     Adapters(&'a mut LoraGrads<Buf>),
 }
@@ -350,6 +358,7 @@ impl<'a, Buf> GradSink<'a, Buf> {
     ) -> LayerGrad<'s, Buf> {
         match self {
             GradSink::Full(g) => LayerGrad::Full(&mut g.layers[l]),
+            GradSink::Streamed { grads, .. } => LayerGrad::Full(&mut grads.layer),
             GradSink::Adapters(g) => LayerGrad::Adapters {
                 weights: weights.unwrap_or(&[]),
                 grads: &mut g.adapters.layers[l],
@@ -362,6 +371,7 @@ impl<'a, Buf> GradSink<'a, Buf> {
     pub(crate) fn final_norm(&mut self) -> &mut Buf {
         match self {
             GradSink::Full(g) => &mut g.final_norm,
+            GradSink::Streamed { grads, .. } => &mut grads.final_norm,
             GradSink::Adapters(g) => &mut g.frozen.norm,
         }
     }

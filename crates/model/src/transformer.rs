@@ -8,6 +8,9 @@
 //!   `Params` holds Compute copies that every forward reads; the optimizer refreshes them.
 //! - **Gradients**: a `Params` of Full buffers, allocated on the first backward;
 //!   every backward accumulates into them, so micro-batches sum until [`Transformer::zero_grad`].
+//!   A model that streams its gradients ([`Transformer::stream_gradients`], ZeRO stage
+//!   2) keeps one layer's instead and hands each parameter's to a receiver as soon as the
+//!   backward completes it ([`Transformer::forward_backward_streamed`]).
 //! - **Activations** (`Activations`): per call, `[T, …]` token-major. Training keeps the
 //!   residual stream entering each layer, and each layer's internals (`LayerActs`) for
 //!   every layer, except that the first `r` layers ([`Transformer::set_recomputed_layers`])
@@ -103,6 +106,74 @@ pub(crate) struct Layer<Buf> {
     pub w_down: Buf,
 }
 
+impl<Buf> Layer<Buf> {
+    /// One layer from `next()`, called once per tensor in [`tensor_specs`] order.
+    fn build(config: &ModelConfig, next: &mut impl FnMut() -> Result<Buf>) -> Result<Self> {
+        let (bias, qk) = (config.attention_bias, config.qk_norm);
+        let input_norm = next()?;
+        let wq = next()?;
+        let bq = bias.then(&mut *next).transpose()?;
+        let wk = next()?;
+        let bk = bias.then(&mut *next).transpose()?;
+        let wv = next()?;
+        let bv = bias.then(&mut *next).transpose()?;
+        let wo = next()?;
+        let q_norm = qk.then(&mut *next).transpose()?;
+        let k_norm = qk.then(&mut *next).transpose()?;
+        Ok(Layer {
+            input_norm,
+            wq,
+            bq,
+            wk,
+            bk,
+            wv,
+            bv,
+            wo,
+            q_norm,
+            k_norm,
+            post_norm: next()?,
+            w_gate: next()?,
+            w_up: next()?,
+            w_down: next()?,
+        })
+    }
+
+    /// The layer's tensors, in [`tensor_specs`] order.
+    fn tensors(&self) -> Vec<&Buf> {
+        let mut all = vec![&self.input_norm, &self.wq];
+        all.extend(&self.bq);
+        all.push(&self.wk);
+        all.extend(&self.bk);
+        all.push(&self.wv);
+        all.extend(&self.bv);
+        all.push(&self.wo);
+        all.extend(&self.q_norm);
+        all.extend(&self.k_norm);
+        all.extend([&self.post_norm, &self.w_gate, &self.w_up, &self.w_down]);
+        all
+    }
+
+    /// The layer's tensors mutably, in [`tensor_specs`] order.
+    fn tensors_mut(&mut self) -> Vec<&mut Buf> {
+        let mut all = vec![&mut self.input_norm, &mut self.wq];
+        all.extend(&mut self.bq);
+        all.push(&mut self.wk);
+        all.extend(&mut self.bk);
+        all.push(&mut self.wv);
+        all.extend(&mut self.bv);
+        all.push(&mut self.wo);
+        all.extend(&mut self.q_norm);
+        all.extend(&mut self.k_norm);
+        all.extend([
+            &mut self.post_norm,
+            &mut self.w_gate,
+            &mut self.w_up,
+            &mut self.w_down,
+        ]);
+        all
+    }
+}
+
 /// Every tensor of the model (weights or gradients), in the order of [`tensor_specs`].
 pub(crate) struct Params<Buf> {
     /// `[vocab, hidden]` `embed_tokens`.
@@ -130,36 +201,9 @@ impl<Buf> Params<Buf> {
             make(name, shape)
         };
         let embed = next()?;
-        let mut layers = Vec::with_capacity(config.num_hidden_layers);
-        let (bias, qk) = (config.attention_bias, config.qk_norm);
-        for _ in 0..config.num_hidden_layers {
-            let input_norm = next()?;
-            let wq = next()?;
-            let bq = bias.then(&mut next).transpose()?;
-            let wk = next()?;
-            let bk = bias.then(&mut next).transpose()?;
-            let wv = next()?;
-            let bv = bias.then(&mut next).transpose()?;
-            let wo = next()?;
-            let q_norm = qk.then(&mut next).transpose()?;
-            let k_norm = qk.then(&mut next).transpose()?;
-            layers.push(Layer {
-                input_norm,
-                wq,
-                bq,
-                wk,
-                bk,
-                wv,
-                bv,
-                wo,
-                q_norm,
-                k_norm,
-                post_norm: next()?,
-                w_gate: next()?,
-                w_up: next()?,
-                w_down: next()?,
-            });
-        }
+        let layers = (0..config.num_hidden_layers)
+            .map(|_| Layer::build(config, &mut next))
+            .collect::<Result<_>>()?;
         let final_norm = next()?;
         let lm_head = (!config.tie_word_embeddings).then(&mut next).transpose()?;
         Ok(Self {
@@ -174,17 +218,7 @@ impl<Buf> Params<Buf> {
     fn tensors(&self) -> Vec<&Buf> {
         let mut all = vec![&self.embed];
         for l in &self.layers {
-            all.push(&l.input_norm);
-            all.push(&l.wq);
-            all.extend(&l.bq);
-            all.push(&l.wk);
-            all.extend(&l.bk);
-            all.push(&l.wv);
-            all.extend(&l.bv);
-            all.push(&l.wo);
-            all.extend(&l.q_norm);
-            all.extend(&l.k_norm);
-            all.extend([&l.post_norm, &l.w_gate, &l.w_up, &l.w_down]);
+            all.extend(l.tensors());
         }
         all.push(&self.final_norm);
         all.extend(&self.lm_head);
@@ -195,17 +229,7 @@ impl<Buf> Params<Buf> {
     fn tensors_mut(&mut self) -> Vec<&mut Buf> {
         let mut all = vec![&mut self.embed];
         for l in &mut self.layers {
-            all.push(&mut l.input_norm);
-            all.push(&mut l.wq);
-            all.extend(&mut l.bq);
-            all.push(&mut l.wk);
-            all.extend(&mut l.bk);
-            all.push(&mut l.wv);
-            all.extend(&mut l.bv);
-            all.push(&mut l.wo);
-            all.extend(&mut l.q_norm);
-            all.extend(&mut l.k_norm);
-            all.extend([&mut l.post_norm, &mut l.w_gate, &mut l.w_up, &mut l.w_down]);
+            all.extend(l.tensors_mut());
         }
         all.push(&mut self.final_norm);
         all.extend(&mut self.lm_head);
@@ -492,6 +516,32 @@ pub struct ParamSlot<'a, B: Backend> {
     pub compute: Option<&'a mut B::Buf>,
 }
 
+/// One parameter's weights, from [`Transformer::visit_weights`].
+pub struct WeightSlot<'a, B: Backend> {
+    /// The master weights: Full, or Compute after [`Transformer::drop_device_masters`].
+    pub param: &'a mut B::Buf,
+    /// The Compute copy to refresh after an update, when the backend keeps one.
+    pub compute: Option<&'a mut B::Buf>,
+}
+
+/// Where [`Transformer::forward_backward_streamed`] hands the gradients as the backward
+/// completes them: `(first, grads)` are the gradients of this backward alone (not summed
+/// with earlier ones) of the parameters `first .. first + grads.len()` in
+/// [`Transformer::visit_params`] order. Calls come in reverse visit order (the lm-head
+/// and final norm, the layers from the last, the embedding), each parameter once a
+/// backward; the model reuses the buffers once the call returns.
+pub type GradReceiverFn<'a, Buf> = dyn FnMut(usize, &[&Buf]) -> Result<()> + 'a;
+
+/// The gradient buffers of a model that streams its gradients
+/// ([`Transformer::stream_gradients`]): one layer's, reused by every layer, the final
+/// norm's, and one `[vocab, hidden]` buffer reused by the lm-head and the embedding (or
+/// shared by both when they are tied). Each is zeroed before a backward writes it.
+pub(crate) struct StreamedGrads<Buf> {
+    pub layer: Layer<Buf>,
+    pub final_norm: Buf,
+    pub vocab: Buf,
+}
+
 /// How a model keeps its base weights where the backend computes in a lower precision
 /// than it stores (CUDA: bf16 and f32; on the CPU both are the same f32 weights).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -527,6 +577,9 @@ pub struct Transformer<B: Backend> {
     compute: Option<Arc<Params<B::Buf>>>,
     /// Full gradients, allocated on the first backward (full-weight training only).
     grads: Option<Params<B::Buf>>,
+    /// Present when the backward hands its gradients to a receiver instead of keeping
+    /// them ([`Transformer::stream_gradients`]); `grads` is then `None`.
+    streamed: Option<StreamedGrads<B::Buf>>,
     /// LoRA adapters: when present only they train, and the base stays frozen.
     pub(crate) lora: Option<Lora<B::Buf>>,
     /// `[head_dim / 2]` (Full) RoPE inverse frequencies.
@@ -662,6 +715,7 @@ impl<B: Backend> Transformer<B> {
             params: Arc::new(params),
             compute,
             grads: None,
+            streamed: None,
             lora: None,
             inv_freq,
             recomputed_layers: 0,
@@ -690,6 +744,7 @@ impl<B: Backend> Transformer<B> {
             params: Arc::clone(&self.params),
             compute: self.compute.clone(),
             grads: None,
+            streamed: None,
             lora: None,
             recomputed_layers: self.recomputed_layers,
             acts: None,
@@ -742,6 +797,62 @@ impl<B: Backend> Transformer<B> {
     /// Frees the base weights' gradients (a LoRA model never computes them).
     pub(crate) fn drop_base_grads(&mut self) {
         self.grads = None;
+    }
+
+    /// From now on the backward hands every gradient to a receiver as soon as it is
+    /// complete ([`Transformer::forward_backward_streamed`]) instead of keeping the whole
+    /// model's (ZeRO stage 2): the full gradients are freed (any accumulated ones are
+    /// lost) and the model keeps only [`StreamedGrads`]' buffers, about one layer's and
+    /// one `[vocab, hidden]` tensor's. Full-weight training only.
+    pub fn stream_gradients(&mut self) -> Result<()> {
+        if self.lora.is_some() {
+            return Err(ModelError::Input(
+                "stream_gradients: a LoRA model keeps only its adapters' gradients".into(),
+            ));
+        }
+        if self.streamed.is_some() {
+            return Ok(());
+        }
+        self.grads = None;
+        let b = &*self.backend;
+        let c = &self.config;
+        let specs = tensor_specs(c);
+        // Layer 0's tensors follow the embedding.
+        let mut shapes = specs[1..].iter();
+        let mut next = || -> Result<B::Buf> {
+            let (_, shape) = shapes
+                .next()
+                .expect("a layer's tensors follow the embedding");
+            Ok(b.zeros(shape.iter().product(), BufKind::Full)?)
+        };
+        let layer = Layer::build(c, &mut next)?;
+        self.streamed = Some(StreamedGrads {
+            layer,
+            final_norm: b.zeros(c.hidden_size, BufKind::Full)?,
+            vocab: b.zeros(c.vocab_size * c.hidden_size, BufKind::Full)?,
+        });
+        Ok(())
+    }
+
+    /// Whether the backward streams its gradients ([`Transformer::stream_gradients`]).
+    pub fn streams_gradients(&self) -> bool {
+        self.streamed.is_some()
+    }
+
+    /// Elements of the base weights' gradient buffers the model holds now: every
+    /// parameter's once a backward ran (or [`Transformer::visit_params`] allocated
+    /// them), the [`StreamedGrads`] when streaming, 0 otherwise.
+    pub fn base_gradient_elements(&self) -> usize {
+        let b = &*self.backend;
+        let held = self
+            .grads
+            .as_ref()
+            .map_or(0, |g| g.tensors().iter().map(|t| b.len(t)).sum());
+        let streamed = self.streamed.as_ref().map_or(0, |g| {
+            let layer: usize = g.layer.tensors().iter().map(|t| b.len(t)).sum();
+            layer + b.len(&g.final_norm) + b.len(&g.vocab)
+        });
+        held + streamed
     }
 
     /// A model with normal(0, 0.02) weights from `seed`, norms at 1 and biases at 0.
@@ -1397,6 +1508,43 @@ impl<B: Backend> Transformer<B> {
         logit_scale: f32,
         loss_grad: &mut LossGradFn<'_>,
     ) -> Result<TokenStats> {
+        if self.streamed.is_some() {
+            return Err(ModelError::Input(
+                "forward_backward: this model streams its gradients (stream_gradients); \
+                 call forward_backward_streamed"
+                    .into(),
+            ));
+        }
+        self.train(batch, logit_scale, loss_grad, None)
+    }
+
+    /// [`Transformer::forward_backward`] of a model that streams its gradients
+    /// ([`Transformer::stream_gradients`]): `receive` gets each parameter's gradient of
+    /// this backward as soon as it is complete ([`GradReceiverFn`]), and the model keeps
+    /// none of them.
+    pub fn forward_backward_streamed(
+        &mut self,
+        batch: &PackedBatch,
+        logit_scale: f32,
+        loss_grad: &mut LossGradFn<'_>,
+        receive: &mut GradReceiverFn<'_, B::Buf>,
+    ) -> Result<TokenStats> {
+        if self.streamed.is_none() {
+            return Err(ModelError::Input(
+                "forward_backward_streamed: call stream_gradients first".into(),
+            ));
+        }
+        self.train(batch, logit_scale, loss_grad, Some(receive))
+    }
+
+    /// Forward and backward, the gradients kept or handed to `receive`.
+    fn train(
+        &mut self,
+        batch: &PackedBatch,
+        logit_scale: f32,
+        loss_grad: &mut LossGradFn<'_>,
+        receive: Option<&mut GradReceiverFn<'_, B::Buf>>,
+    ) -> Result<TokenStats> {
         self.check_batch(batch)?;
         let t = batch.len();
         // A set sized for another batch is freed before the next is allocated.
@@ -1416,18 +1564,19 @@ impl<B: Backend> Transformer<B> {
                 )?
             }
         };
-        let result = self.train_pass(&mut acts, batch, logit_scale, loss_grad);
+        let result = self.train_pass(&mut acts, batch, logit_scale, loss_grad, receive);
         self.acts = Some(acts);
         result
     }
 
-    /// [`Self::forward_backward`] on activations already sized for `batch`.
+    /// [`Self::train`] on activations already sized for `batch`.
     fn train_pass(
         &mut self,
         acts: &mut Activations<B::Buf>,
         batch: &PackedBatch,
         logit_scale: f32,
         loss_grad: &mut LossGradFn<'_>,
+        receive: Option<&mut GradReceiverFn<'_, B::Buf>>,
     ) -> Result<TokenStats> {
         if self.tensor_parallel.is_some() {
             return Err(ModelError::Input(
@@ -1463,6 +1612,23 @@ impl<B: Backend> Transformer<B> {
                 &d_entropy,
             );
             self.lora.as_mut().expect("checked above").grads = Some(grads);
+            result
+        } else if let Some(receive) = receive {
+            let mut grads = self.streamed.take().expect("checked by the caller");
+            let sink = GradSink::Streamed {
+                grads: &mut grads,
+                receive,
+            };
+            let result = self.run_backward(
+                acts,
+                sink,
+                batch,
+                inputs,
+                logit_scale,
+                &d_logprobs,
+                &d_entropy,
+            );
+            self.streamed = Some(grads);
             result
         } else {
             let mut grads = match self.grads.take() {
@@ -1527,6 +1693,11 @@ impl<B: Backend> Transformer<B> {
                 Some(lm) => lm,
                 None => &mut g.embed,
             },
+            GradSink::Streamed { grads, .. } => {
+                b.fill_zero(&mut grads.final_norm)?;
+                b.fill_zero(&mut grads.vocab)?;
+                &mut grads.vocab
+            }
             GradSink::Adapters(g) => {
                 b.fill_zero(&mut g.frozen.lm_head)?;
                 &mut g.frozen.lm_head
@@ -1556,6 +1727,18 @@ impl<B: Backend> Transformer<B> {
             t,
             h,
         )?;
+        let tied = c.tie_word_embeddings;
+        // Visit-order index of layer 0's first tensor, and tensors a layer has.
+        let (first_layer, layer_len) = (1, w.layers[0].tensors().len());
+        if let GradSink::Streamed { grads, receive } = &mut sink {
+            // Tied, the vocab buffer also takes the embedding's gradient, at the end.
+            let final_norm = first_layer + c.num_hidden_layers * layer_len;
+            if tied {
+                receive(final_norm, &[&grads.final_norm])?;
+            } else {
+                receive(final_norm, &[&grads.final_norm, &grads.vocab])?;
+            }
+        }
         let covered: usize = batch.segments.iter().map(|s| s.len as usize).sum();
         for l in (0..c.num_hidden_layers).rev() {
             let slot = layer_slot(l, c.num_hidden_layers, layers.len());
@@ -1582,6 +1765,11 @@ impl<B: Backend> Transformer<B> {
                     attend,
                 )?;
             }
+            if let GradSink::Streamed { grads, .. } = &mut sink {
+                for g in grads.layer.tensors_mut() {
+                    b.fill_zero(g)?;
+                }
+            }
             self.layer_backward(
                 &w.layers[l],
                 sink.layer(l, self.layer_adapters(l)),
@@ -1591,9 +1779,20 @@ impl<B: Backend> Transformer<B> {
                 positions,
                 &batch.segments,
             )?;
+            if let GradSink::Streamed { grads, receive } = &mut sink {
+                receive(first_layer + l * layer_len, &grads.layer.tensors())?;
+            }
         }
-        if let GradSink::Full(g) = sink {
-            b.embedding_backward(&mut g.embed, &s.d_resid, ids, h)?;
+        match sink {
+            GradSink::Full(g) => b.embedding_backward(&mut g.embed, &s.d_resid, ids, h)?,
+            GradSink::Streamed { grads, receive } => {
+                if !tied {
+                    b.fill_zero(&mut grads.vocab)?;
+                }
+                b.embedding_backward(&mut grads.vocab, &s.d_resid, ids, h)?;
+                receive(0, &[&grads.vocab])?;
+            }
+            GradSink::Adapters(_) => {}
         }
         Ok(())
     }
@@ -1632,6 +1831,13 @@ impl<B: Backend> Transformer<B> {
         if self.lora.is_some() {
             return self.visit_adapters(f);
         }
+        if self.streamed.is_some() {
+            return Err(ModelError::Input(
+                "visit_params: this model streams its gradients and holds none; \
+                 visit_weights visits the weights alone"
+                    .into(),
+            ));
+        }
         if self.grads.is_none() {
             self.grads = Some(self.zero_params()?);
         }
@@ -1640,6 +1846,28 @@ impl<B: Backend> Transformer<B> {
         let result = self.visit_base(&specs, &mut grads, f);
         self.grads = Some(grads);
         result
+    }
+
+    /// Visits every base weight with its name and its Compute copy (when the backend
+    /// keeps one), in [`tensor_specs`] order, without allocating gradients; for
+    /// full-weight training (a LoRA model's base is frozen).
+    pub fn visit_weights(
+        &mut self,
+        f: &mut dyn FnMut(&str, WeightSlot<'_, B>) -> Result<()>,
+    ) -> Result<()> {
+        if self.lora.is_some() {
+            return Err(ModelError::Input(
+                "visit_weights: a LoRA model trains its adapters (visit_params)".into(),
+            ));
+        }
+        let specs = tensor_specs(&self.config);
+        let (params, compute) = self.base_mut("visit_weights")?;
+        let mut computes = compute.map(|c| c.tensors_mut().into_iter());
+        for ((name, _), param) in specs.iter().zip(params.tensors_mut()) {
+            let compute = computes.as_mut().and_then(|c| c.next());
+            f(name, WeightSlot { param, compute })?;
+        }
+        Ok(())
     }
 
     fn visit_base(

@@ -412,3 +412,87 @@ fn scoring_forward_matches_training_forward_for_any_lm_head_chunking() {
         assert!((one_row.entropy[t] - scored.entropy[t]).abs() < 1e-12);
     }
 }
+
+/// What a streamed backward handed out: each parameter's gradient by name, and the
+/// visit-order index of each call's first parameter, in call order.
+fn streamed_backward(
+    m: &mut Transformer<B>,
+    batch: &PackedBatch,
+    a: &[f64],
+    c: &[f64],
+) -> (BTreeMap<String, Vec<f64>>, Vec<usize>) {
+    let names: Vec<String> = tensor_specs(m.config()).into_iter().map(|s| s.0).collect();
+    let backend = m.backend().clone();
+    let (a, c) = (a.to_vec(), c.to_vec());
+    let (mut got, mut firsts) = (BTreeMap::new(), Vec::new());
+    m.forward_backward_streamed(
+        batch,
+        1.0,
+        &mut |_| Ok((a.clone(), c.clone())),
+        &mut |first, grads| {
+            firsts.push(first);
+            for (i, g) in grads.iter().enumerate() {
+                let previous = got.insert(names[first + i].clone(), backend.download_f64(g)?);
+                assert!(previous.is_none(), "{} received twice", names[first + i]);
+            }
+            Ok(())
+        },
+    )
+    .unwrap();
+    (got, firsts)
+}
+
+#[test]
+fn streamed_gradients_are_the_held_ones_in_reverse_visit_order() {
+    for (arch, tied, recomputed) in [
+        (Architecture::Qwen3, true, 0),
+        (Architecture::Qwen2, false, 1),
+    ] {
+        let mut config = ModelConfig::test_shape(arch);
+        config.tie_word_embeddings = tied;
+        let mut rng = Rng::new(51);
+        let batch = mixed_batch(&mut rng, config.vocab_size);
+        let a: Vec<f64> = (0..batch.len()).map(|_| rng.uniform()).collect();
+        let c: Vec<f64> = (0..batch.len()).map(|_| rng.uniform()).collect();
+        let mut held = model(&config, 6);
+        held.set_recomputed_layers(recomputed);
+        backward(&mut held, &batch, 1.0, &a, &c);
+        let want = grads(&mut held);
+        let mut streamed = model(&config, 6);
+        streamed.set_recomputed_layers(recomputed);
+        streamed.stream_gradients().unwrap();
+        let all: usize = want.values().map(Vec::len).sum();
+        let kept = streamed.base_gradient_elements();
+        assert!(
+            kept < all,
+            "{arch:?}: streaming keeps {kept} of {all} elements"
+        );
+        // Two backwards: each hands out its own gradients, not a running sum.
+        for pass in 0..2 {
+            let (got, firsts) = streamed_backward(&mut streamed, &batch, &a, &c);
+            assert_eq!(
+                got.len(),
+                want.len(),
+                "{arch:?} pass {pass}: every parameter once"
+            );
+            for (name, w) in &want {
+                assert!(
+                    got[name] == *w,
+                    "{arch:?} pass {pass}: {name} differs from the held gradient"
+                );
+            }
+            assert!(
+                firsts.windows(2).all(|w| w[0] > w[1]) && firsts.last() == Some(&0),
+                "{arch:?}: calls not in reverse visit order: {firsts:?}"
+            );
+        }
+        assert_eq!(streamed.base_gradient_elements(), kept);
+        let err = streamed.forward_backward(&batch, 1.0, &mut |_| Ok((a.clone(), c.clone())));
+        assert!(err
+            .unwrap_err()
+            .to_string()
+            .contains("forward_backward_streamed"));
+        let err = streamed.visit_params(&mut |_, _| Ok(())).unwrap_err();
+        assert!(err.to_string().contains("visit_weights"), "{err}");
+    }
+}

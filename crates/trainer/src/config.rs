@@ -585,7 +585,9 @@ pub struct EngineConfig {
     /// Slurm): 0 keeps the whole optimizer state on every rank; 1 splits the f32 master
     /// weights and AdamW moments over the ranks (each holds 1/N, on the device or, with
     /// `offload_optimizer`, in host memory), and checkpoints are written in shards that
-    /// resume at any world size. With one rank nothing is split.
+    /// resume at any world size; 2 splits the f32 gradients too (each rank keeps the
+    /// summed gradient of its shard, reduced bucket by bucket during the backward, and
+    /// about one layer's full gradients). With one rank nothing is split.
     pub zero_stage: u8,
     /// Speculative decoding with prompt-lookup drafts: a draft length (`4`: up to 4
     /// tokens, matching the last 3 down to 1 tokens) or a table `{ max_draft = 4,
@@ -1264,18 +1266,18 @@ impl Config {
                     .into(),
             );
         }
-        if self.engine.zero_stage > 1 {
+        if self.engine.zero_stage > 2 {
             problems.push(format!(
-                "engine.zero_stage is {}; 0 (the optimizer state on every rank) and 1 (split \
-                 over the ranks) exist, stage 3 is planned",
+                "engine.zero_stage is {}; 0 (the optimizer state on every rank), 1 (split \
+                 over the ranks) and 2 (the gradients split too) exist, stage 3 is planned",
                 self.engine.zero_stage
             ));
-        } else if self.engine.zero_stage == 1 && self.model.lora.rank > 0 {
-            problems.push(
-                "engine.zero_stage = 1 with model.lora.rank > 0: adapters' optimizer state is \
-                 small and stays whole; leave zero_stage at 0"
-                    .into(),
-            );
+        } else if self.engine.zero_stage >= 1 && self.model.lora.rank > 0 {
+            problems.push(format!(
+                "engine.zero_stage = {} with model.lora.rank > 0: adapters' optimizer state \
+                 and gradients are small and stay whole; leave zero_stage at 0",
+                self.engine.zero_stage
+            ));
         }
         let fraction = self.engine.memory_fraction;
         if !(fraction > 0.0 && fraction <= 1.0) {

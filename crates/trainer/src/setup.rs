@@ -266,11 +266,12 @@ pub fn memory_plan(
         lora: lora.as_ref(),
         device: options.device,
         placement: options.optimizer_placement,
-        optimizer_shards: if options.zero_stage == 1 {
+        optimizer_shards: if options.zero_stage >= 1 {
             world_size
         } else {
             1
         },
+        gradient_shards: options.zero_stage == 2,
         data_parallel_ranks: world_size,
         recompute: options.recompute,
         kv_cache_tokens_wanted: options.kv_cache_tokens_wanted,

@@ -507,12 +507,13 @@ fn every_broken_rule_is_reported_at_once() {
 
 #[test]
 fn a_split_optimizer_state_is_refused_for_lora_adapters() {
-    let problems = invalid_messages(&["model.lora.rank=8", "engine.zero_stage=1"]);
-    assert_eq!(problems.len(), 1, "{problems:?}");
-    assert!(
-        problems[0].contains("engine.zero_stage = 1 with model.lora.rank"),
-        "{problems:?}"
-    );
+    for stage in [1, 2] {
+        let zero = format!("engine.zero_stage={stage}");
+        let problems = invalid_messages(&["model.lora.rank=8", &zero]);
+        assert_eq!(problems.len(), 1, "{problems:?}");
+        let named = format!("engine.zero_stage = {stage} with model.lora.rank");
+        assert!(problems[0].contains(&named), "{problems:?}");
+    }
 }
 
 #[test]

@@ -262,23 +262,31 @@ fn a_run_across_ranks_resumes_from_rank_zeros_checkpoint() {
 
 #[test]
 fn zero_stage_1_trains_as_one_process_and_resumes_at_other_world_sizes() {
+    zero_stage_trains_as_one_process_and_resumes(1, 1);
+}
+
+#[test]
+fn zero_stage_2_trains_as_one_process_and_resumes_at_stage_1_and_other_world_sizes() {
+    zero_stage_trains_as_one_process_and_resumes(2, 1);
+}
+
+/// `floe train` at ZeRO `stage` on 2 ranks against one process; resumed from its first
+/// checkpoint at `resumed_stage` on 4 ranks, and by one process.
+fn zero_stage_trains_as_one_process_and_resumes(stage: u8, resumed_stage: u8) {
     let dir = tempfile::tempdir().unwrap();
     let single_dir = dir.path().join("single");
     let keep_all = ["trainer.max_ckpts_to_keep=-1".to_string()];
     train_as_rank(&config(&single_dir, 3, &keep_all), registry(), None).unwrap();
     let zero = [
-        "engine.zero_stage=1".to_string(),
+        format!("engine.zero_stage={stage}"),
         "trainer.max_ckpts_to_keep=-1".to_string(),
     ];
+    let what = format!("zero stage {stage} on 2 ranks");
     let run_dir = dir.path().join("zero-2");
     run_ranks(&config(&run_dir, 3, &zero), 2);
     let straight = step_metrics(&run_dir);
-    assert_metrics_close(
-        &straight,
-        &step_metrics(&single_dir),
-        "zero stage 1 on 2 ranks",
-    );
-    assert_weights_close(&run_dir, &single_dir, 3, "zero stage 1 on 2 ranks");
+    assert_metrics_close(&straight, &step_metrics(&single_dir), &what);
+    assert_weights_close(&run_dir, &single_dir, 3, &what);
     // Each rank wrote its shard of the optimizer state.
     let engine_dir = checkpoint(&run_dir, 1).join("engine");
     for rank in 0..2 {
@@ -291,7 +299,8 @@ fn zero_stage_1_trains_as_one_process_and_resumes_at_other_world_sizes() {
     for world_size in [4, 1] {
         let resumed_dir = dir.path().join(format!("resumed-{world_size}"));
         let resume = format!("trainer.resume={}", checkpoint(&run_dir, 1).display());
-        let config = config(&resumed_dir, 3, &[zero[0].clone(), zero[1].clone(), resume]);
+        let resumed_zero = format!("engine.zero_stage={resumed_stage}");
+        let config = config(&resumed_dir, 3, &[resumed_zero, zero[1].clone(), resume]);
         match world_size {
             1 => drop(train_as_rank(&config, registry(), None).unwrap()),
             _ => drop(run_ranks(&config, world_size)),

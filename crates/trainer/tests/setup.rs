@@ -150,6 +150,34 @@ fn every_recipe_validates_8b_fits_an_80_gb_card_with_a_host_optimizer_and_32b_lo
     assert!(plan.to_string().contains("1/N shard"), "{plan}");
     let one_rank = floe_trainer::setup::memory_plan(&config, h100, 1).unwrap();
     assert!(one_rank.check().is_err(), "{one_rank}");
+    // At stage 1 a refusal names stage 2; at stage 2 the full f32 gradients (26 GiB) give
+    // way to one layer's and the embedding's, and a gradient shard.
+    let stage_2 = load(&[
+        "model.path=embedded:8B",
+        "engine.offload_optimizer=false",
+        "engine.zero_stage=2",
+        "trainer.max_prompt_length=12288",
+        "trainer.max_tokens_per_microbatch=16384",
+    ]);
+    let sharded = floe_trainer::setup::memory_plan(&stage_2, h100, 8).unwrap();
+    sharded.check().unwrap_or_else(|e| panic!("{e}\n{sharded}"));
+    let shown = sharded.to_string();
+    assert!(shown.contains("one layer's gradients + vocab"), "{shown}");
+    let freed = plan.device_bytes() - sharded.device_bytes();
+    assert!(
+        freed > 20 << 30,
+        "stage 2 frees {freed} bytes:\n{plan}\n{sharded}"
+    );
+    let tight = Some(40 << 30);
+    let err = floe_trainer::setup::memory_plan(&config, tight, 8)
+        .unwrap()
+        .check()
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("set engine.zero_stage = 2 (each of the 8 ranks"),
+        "{err}"
+    );
     // Across 8 ranks with the state whole, the refusal names the stage that splits it.
     let config = load(&[
         "model.path=embedded:8B",

@@ -11,7 +11,8 @@
 //!
 //! Under `floe launch --gpus N` (or torchrun, Slurm), `train` is data parallel: every rank
 //! trains `batch × seq` tokens on `cuda:{LOCAL_RANK}` and the gradients are summed over
-//! NCCL before each step (`--zero-stage 1` splits the optimizer state); rank 0 prints
+//! NCCL before each step (`--zero-stage 1` splits the optimizer state, `2` the gradients
+//! too, reduced during the backward); rank 0 prints
 //! tokens/s per GPU and in all. `generate` runs on every rank's GPU on its own.
 
 use std::path::PathBuf;
@@ -127,9 +128,9 @@ pub struct Args {
     /// rank a whole model.
     #[arg(long)]
     tensor_parallel: bool,
-    /// Under `floe launch`: 1 splits the optimizer state over the ranks (train; see
-    /// `engine.zero_stage`).
-    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=1))]
+    /// Under `floe launch`: 1 splits the optimizer state over the ranks, 2 the f32
+    /// gradients too (train; see `engine.zero_stage`).
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=2))]
     zero_stage: u8,
 }
 
@@ -314,7 +315,8 @@ fn bench<B: Backend>(
             base_resident: false,
             device: args.device,
             placement,
-            optimizer_shards: if args.zero_stage == 1 { world_size } else { 1 },
+            optimizer_shards: if args.zero_stage >= 1 { world_size } else { 1 },
+            gradient_shards: args.zero_stage == 2,
             data_parallel_ranks: world_size,
             recompute: args.recompute,
             // No sampler runs, so the KV cache needs no room.
@@ -366,8 +368,11 @@ fn bench<B: Backend>(
                 policy.broadcast_weights(&**collective, 0)?;
             }
             match &collective {
-                Some(collective) if args.zero_stage == 1 => {
-                    policy.shard_optimizer(Arc::clone(collective), placement)?
+                Some(collective) if args.zero_stage >= 1 => {
+                    policy.shard_optimizer(Arc::clone(collective), placement)?;
+                    if args.zero_stage == 2 {
+                        policy.shard_gradients()?;
+                    }
                 }
                 _ => policy.set_optimizer_placement(placement)?,
             }

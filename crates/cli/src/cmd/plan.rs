@@ -17,7 +17,7 @@ pub struct Args {
     #[arg(long, default_value_t = 79.1)]
     gpu_memory_gib: f64,
     /// Data-parallel ranks (GPUs) the run will have: with `engine.zero_stage = 1` each
-    /// holds 1/N of the optimizer state.
+    /// holds 1/N of the optimizer state, with 2 also 1/N of the f32 gradients.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
     world_size: u64,
 }
