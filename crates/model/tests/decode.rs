@@ -11,10 +11,9 @@ use floe_model::batch::PackedBatch;
 use floe_model::config::{Architecture, ModelConfig};
 use floe_model::decode::CachedInput;
 use floe_model::transformer::Transformer;
-use floe_model::weights::{tensor_specs, HostTensor};
 
 mod support;
-use support::Rng;
+use support::{random_weights, Rng};
 
 type B = CpuBackend<f64>;
 
@@ -26,24 +25,7 @@ fn config(architecture: Architecture) -> ModelConfig {
 }
 
 fn model(config: &ModelConfig, seed: u64) -> Transformer<B> {
-    let mut rng = Rng::new(seed);
-    let weights: BTreeMap<String, HostTensor> = tensor_specs(config)
-        .into_iter()
-        .map(|(name, shape)| {
-            let n = shape.iter().product();
-            let data = (0..n)
-                .map(|_| {
-                    let u = rng.uniform();
-                    (if name.ends_with("norm.weight") {
-                        1.0 + 0.3 * u
-                    } else {
-                        0.4 * u
-                    }) as f32
-                })
-                .collect();
-            (name, HostTensor { shape, data })
-        })
-        .collect();
+    let weights = random_weights(config, seed);
     Transformer::from_host_weights(Arc::new(B::new()), config.clone(), &weights).unwrap()
 }
 

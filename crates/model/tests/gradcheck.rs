@@ -13,34 +13,9 @@ use floe_model::transformer::{ModelError, Transformer};
 use floe_model::weights::{tensor_specs, HostTensor};
 
 mod support;
-use support::Rng;
+use support::{random_weights, Rng};
 
 type B = CpuBackend<f64>;
-
-/// Random weights large enough that attention and softmax are far from uniform, with
-/// norms near (not at) 1 so their gradients are exercised too.
-fn random_weights(config: &ModelConfig, seed: u64) -> BTreeMap<String, HostTensor> {
-    let mut rng = Rng::new(seed);
-    tensor_specs(config)
-        .into_iter()
-        .map(|(name, shape)| {
-            let n = shape.iter().product();
-            let data = (0..n)
-                .map(|_| {
-                    let u = rng.uniform();
-                    (if name.ends_with("norm.weight") {
-                        1.0 + 0.3 * u
-                    } else if name.ends_with(".bias") {
-                        0.2 * u
-                    } else {
-                        0.4 * u
-                    }) as f32
-                })
-                .collect();
-            (name, HostTensor { shape, data })
-        })
-        .collect()
-}
 
 fn model(config: &ModelConfig, seed: u64) -> Transformer<B> {
     Transformer::from_host_weights(

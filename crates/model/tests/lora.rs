@@ -13,10 +13,10 @@ use floe_model::config::{Architecture, ModelConfig};
 use floe_model::decode::CachedInput;
 use floe_model::lora::{adapter_specs, load_adapter_dir, save_adapter_dir, LoraConfig};
 use floe_model::transformer::Transformer;
-use floe_model::weights::{tensor_specs, HostTensor};
+use floe_model::weights::tensor_specs;
 
 mod support;
-use support::Rng;
+use support::{random_tensors, Rng};
 
 type B = CpuBackend<f64>;
 
@@ -25,28 +25,6 @@ fn tiny(architecture: Architecture, tied: bool) -> ModelConfig {
         tie_word_embeddings: tied,
         ..ModelConfig::test_shape(architecture)
     }
-}
-
-fn random_tensors(specs: Vec<(String, Vec<usize>)>, rng: &mut Rng) -> BTreeMap<String, HostTensor> {
-    specs
-        .into_iter()
-        .map(|(name, shape)| {
-            let n = shape.iter().product();
-            let data = (0..n)
-                .map(|_| {
-                    let u = rng.uniform();
-                    (if name.ends_with("norm.weight") {
-                        1.0 + 0.3 * u
-                    } else if name.ends_with(".bias") {
-                        0.2 * u
-                    } else {
-                        0.4 * u
-                    }) as f32
-                })
-                .collect();
-            (name, HostTensor { shape, data })
-        })
-        .collect()
 }
 
 fn base(config: &ModelConfig, seed: u64) -> Transformer<B> {

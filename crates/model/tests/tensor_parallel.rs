@@ -2,7 +2,6 @@
 //! with its slice of the weights, give the full model's log-probs and KV-cached logits
 //! (up to the order of the partial sums), the same bits on every rank.
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -13,33 +12,12 @@ use floe_model::config::{Architecture, ModelConfig};
 use floe_model::decode::CachedInput;
 use floe_model::tensor_parallel;
 use floe_model::transformer::Transformer;
-use floe_model::weights::{save_model_dir, tensor_specs, HostTensor, SaveDType};
+use floe_model::weights::{save_model_dir, SaveDType};
 
 mod support;
-use support::Rng;
+use support::{random_weights, Rng};
 
 type B = CpuBackend<f64>;
-
-fn weights(config: &ModelConfig, seed: u64) -> BTreeMap<String, HostTensor> {
-    let mut rng = Rng::new(seed);
-    tensor_specs(config)
-        .into_iter()
-        .map(|(name, shape)| {
-            let n = shape.iter().product();
-            let data = (0..n)
-                .map(|_| {
-                    let u = rng.uniform();
-                    (if name.ends_with("norm.weight") {
-                        1.0 + 0.3 * u
-                    } else {
-                        0.4 * u
-                    }) as f32
-                })
-                .collect();
-            (name, HostTensor { shape, data })
-        })
-        .collect()
-}
 
 const BLOCK: usize = 4;
 
@@ -83,7 +61,7 @@ fn tensor_parallel_matches_one_model(architecture: Architecture, ranks: usize) {
         intermediate_size: 32,
         ..ModelConfig::test_shape(architecture)
     };
-    let weights = weights(&config, 3);
+    let weights = random_weights(&config, 3);
     let mut rng = Rng::new(11);
     let tokens = vec![rng.tokens(9, 32), rng.tokens(6, 32)];
     let one = Transformer::from_host_weights(Arc::new(B::new()), config.clone(), &weights).unwrap();
@@ -167,7 +145,7 @@ fn qwen2_with_biases_on_two_ranks_matches_one_model() {
 #[test]
 fn a_tensor_parallel_model_refuses_to_train() {
     let config = ModelConfig::test_shape(Architecture::Qwen3);
-    let weights = weights(&config, 5);
+    let weights = random_weights(&config, 5);
     let collective = InProcessCollective::<f64>::group(1, Duration::from_secs(5))
         .pop()
         .unwrap();

@@ -1,5 +1,9 @@
 //! Test data shared by the model's integration tests.
 
+use std::collections::BTreeMap;
+
+use floe_model::config::ModelConfig;
+use floe_model::weights::{tensor_specs, HostTensor};
 use rand_xoshiro::rand_core::{RngCore, SeedableRng};
 use rand_xoshiro::SplitMix64;
 
@@ -56,4 +60,38 @@ pub fn cuda_test_config() -> floe_model::config::ModelConfig {
         bos_token_id: None,
         eos_token_ids: vec![],
     }
+}
+
+/// Tensors of `specs` drawn from `rng`: large enough that attention and softmax are far
+/// from uniform, norms near (not at) 1 so their gradients are exercised too.
+#[allow(dead_code)] // each test binary uses a different subset
+pub fn random_tensors(
+    specs: Vec<(String, Vec<usize>)>,
+    rng: &mut Rng,
+) -> BTreeMap<String, HostTensor> {
+    specs
+        .into_iter()
+        .map(|(name, shape)| {
+            let n = shape.iter().product();
+            let data = (0..n)
+                .map(|_| {
+                    let u = rng.uniform();
+                    (if name.ends_with("norm.weight") {
+                        1.0 + 0.3 * u
+                    } else if name.ends_with(".bias") {
+                        0.2 * u
+                    } else {
+                        0.4 * u
+                    }) as f32
+                })
+                .collect();
+            (name, HostTensor { shape, data })
+        })
+        .collect()
+}
+
+/// [`random_tensors`] for every weight of `config`, from `seed`.
+#[allow(dead_code)] // each test binary uses a different subset
+pub fn random_weights(config: &ModelConfig, seed: u64) -> BTreeMap<String, HostTensor> {
+    random_tensors(tensor_specs(config), &mut Rng::new(seed))
 }
