@@ -373,3 +373,19 @@ fn max_restarts_starts_every_rank_again_after_a_failure() {
         output.stderr
     );
 }
+
+#[test]
+fn a_tensor_parallel_bench_needs_the_ranks_of_a_launch() {
+    let output = Command::new(env!("CARGO_BIN_EXE_floe"))
+        .args(["bench", "generate", "--model", "tiny", "--tensor-parallel"])
+        .env_remove("WORLD_SIZE")
+        .env_remove("SLURM_NTASKS")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("--tensor-parallel splits the model over the ranks of `floe launch"),
+        "{stderr}"
+    );
+}

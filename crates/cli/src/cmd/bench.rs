@@ -141,6 +141,12 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     if world.world_size > 1 {
         return run_rank(args, &world, config, host_dir);
     }
+    if args.tensor_parallel {
+        bail!(
+            "--tensor-parallel splits the model over the ranks of `floe launch --gpus N` \
+             (N ≥ 2); alone there is nothing to split"
+        );
+    }
     match args.device {
         Device::Cpu => {
             if args.threads > 0 {
